@@ -1,0 +1,317 @@
+"""The typed plan IR: parallel schemes, strategies, the cost model and step plans.
+
+Every type here is a frozen dataclass that validates itself on construction and quotes the bad value in
+its error. The planner decides in these types; the runtime and the compiler consume them. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+__all__ = [
+    "ParallelScheme",
+    "Strategy",
+    "SchemeCost",
+    "CostModel",
+    "ReplicaPlan",
+    "StepPlan",
+    "PlanError",
+]
+
+
+class PlanError(ValueError):
+    """Bad planner input (a length, a scheme, a GPU count): the message names the value and what was expected."""
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class ParallelScheme:
+    """One data-parallel replica's layout: tensor, pipeline and context parallel degrees."""
+
+    tp: int = 1
+    """Tensor-parallel degree (GPUs that split every layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    cp: int = 1
+    """Context-parallel degree (GPUs that split one sequence); 1 unless given."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("tp", self.tp)
+        _check_positive_int("pp", self.pp)
+        _check_positive_int("cp", self.cp)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one replica of this scheme occupies."""
+        return self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        """Stable text form, e.g. ``(tp4,pp2)``; ``cp`` is printed only when it is not 1."""
+        cp = f",cp{self.cp}" if self.cp != 1 else ""
+        return f"(tp{self.tp},pp{self.pp}{cp})"
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelScheme":
+        """Parse ``tp4``, ``(tp4,pp2)`` or ``tp8,pp3,cp1``; missing degrees default to 1."""
+        body = text.strip()
+        if body.startswith("(") and body.endswith(")"):
+            body = body[1:-1]
+        degrees: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in body.split(","))):
+            m = re.fullmatch(r"(tp|pp|cp)(\d+)", part)
+            if m is None or m.group(1) in degrees:
+                raise PlanError(f"cannot parse scheme {text!r}: expected e.g. '(tp4,pp2)'")
+            degrees[m.group(1)] = int(m.group(2))
+        if not degrees:
+            raise PlanError(f"cannot parse scheme {text!r}: expected e.g. '(tp4,pp2)'")
+        return cls(**degrees)
+
+
+def _scheme_sort_key(scheme: ParallelScheme) -> tuple[int, int, int, int]:
+    return (-scheme.gpus, -scheme.tp, -scheme.pp, -scheme.cp)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Strategy:
+    """A multiset of replica schemes whose GPUs add up to the cluster, e.g. ``1x(tp16,pp1)+12x(tp4,pp1)``."""
+
+    parts: tuple[tuple[ParallelScheme, int], ...]
+    """(scheme, replica count) pairs, canonical order: larger replicas first; each scheme at most once."""
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise PlanError("a strategy needs at least one replica, got none")
+        merged: dict[ParallelScheme, int] = {}
+        for scheme, count in self.parts:
+            if not isinstance(scheme, ParallelScheme):
+                raise PlanError(f"strategy part {scheme!r} is not a ParallelScheme")
+            _check_positive_int(f"replica count of {scheme.describe()}", count)
+            merged[scheme] = merged.get(scheme, 0) + count
+        canonical = tuple(sorted(merged.items(), key=lambda kv: _scheme_sort_key(kv[0])))
+        object.__setattr__(self, "parts", canonical)
+
+    @classmethod
+    def of(cls, counts: Mapping[ParallelScheme, int] | Iterable[tuple[ParallelScheme, int]]) -> "Strategy":
+        """Build from a mapping or pairs of (scheme, count)."""
+        items = counts.items() if isinstance(counts, Mapping) else counts
+        return cls(parts=tuple((s, int(n)) for s, n in items if n))
+
+    @classmethod
+    def homogeneous(cls, scheme: ParallelScheme, gpus: int) -> "Strategy":
+        """``gpus // scheme.gpus`` replicas of one scheme; the GPU count must divide exactly."""
+        if gpus % scheme.gpus:
+            raise PlanError(f"{gpus} GPUs cannot be filled by replicas of {scheme.describe()} ({scheme.gpus} GPUs each)")
+        return cls(parts=((scheme, gpus // scheme.gpus),))
+
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        """Parse ``1x(tp16,pp1)+12x(tp4)``; a part without ``Nx`` counts once."""
+        parts = []
+        for chunk in text.replace(" ", "").split("+"):
+            m = re.fullmatch(r"(?:(\d+)x)?(\(.*\)|tp\d+.*)", chunk)
+            if m is None:
+                raise PlanError(f"cannot parse strategy {text!r}: expected e.g. '1x(tp16)+12x(tp4)'")
+            parts.append((ParallelScheme.parse(m.group(2)), int(m.group(1) or 1)))
+        return cls(parts=tuple(parts))
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of all replicas together."""
+        return sum(s.gpus * n for s, n in self.parts)
+
+    @property
+    def schemes(self) -> tuple[ParallelScheme, ...]:
+        """The distinct schemes, canonical order."""
+        return tuple(s for s, _ in self.parts)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        """True when every replica has the same scheme."""
+        return len(self.parts) == 1
+
+    def replicas(self) -> tuple[ParallelScheme, ...]:
+        """One scheme per replica, canonical order (the order ranks are handed out in)."""
+        return tuple(s for s, n in self.parts for _ in range(n))
+
+    def describe(self) -> str:
+        """Stable text form: ``1x(tp16,pp1)+12x(tp4,pp1)``."""
+        return "+".join(f"{n}x{s.describe()}" for s, n in self.parts)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchemeCost:
+    """Cost coefficients of one scheme: ``T(s) = a*s^2 + b*s + c`` ms per micro-batch per pipeline stage."""
+
+    scheme: ParallelScheme
+    """The scheme these numbers are for."""
+    a: float
+    """Quadratic (attention) coefficient, ms per token^2, per sequence."""
+    b: float
+    """Linear coefficient, ms per token."""
+    c: float
+    """Fixed cost of one micro-batch on one stage, ms."""
+    max_tokens: int
+    """Most tokens one micro-batch may hold under the memory model (0: the scheme does not fit at all)."""
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value) or value < 0:
+                raise PlanError(
+                    f"cost coefficient {name} of {self.scheme.describe()} must be a finite number >= 0, got {value!r}"
+                )
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise PlanError(f"max_tokens of {self.scheme.describe()} must be an integer >= 0, got {self.max_tokens!r}")
+
+    def seq_ms(self, seq_len: int | float) -> float:
+        """Time one sequence adds to a micro-batch on one stage (without the fixed ``c``)."""
+        return self.a * seq_len * seq_len + self.b * seq_len
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """Time and memory of every scheme the planner may use, for one model on one kind of hardware."""
+
+    name: str
+    """What the numbers describe, e.g. ``llama-32b@a800-80g``."""
+    entries: tuple[SchemeCost, ...]
+    """One entry per known scheme."""
+    gpus_per_node: int = 8
+    """GPUs in one node; a TP group of at most this size never crosses a node."""
+    _index: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_positive_int("gpus_per_node", self.gpus_per_node)
+        index: dict[ParallelScheme, SchemeCost] = {}
+        for entry in self.entries:
+            if entry.scheme in index:
+                raise PlanError(f"cost model {self.name!r} lists scheme {entry.scheme.describe()} twice")
+            index[entry.scheme] = entry
+        if not index:
+            raise PlanError(f"cost model {self.name!r} knows no scheme")
+        object.__setattr__(self, "_index", index)
+
+    @property
+    def schemes(self) -> tuple[ParallelScheme, ...]:
+        """Known schemes that can hold at least one token, canonical order."""
+        return tuple(sorted((s for s, e in self._index.items() if e.max_tokens > 0), key=_scheme_sort_key))
+
+    def cost(self, scheme: ParallelScheme) -> SchemeCost:
+        """The coefficients of ``scheme``; an unknown scheme is an error that lists the known ones."""
+        try:
+            return self._index[scheme]
+        except KeyError:
+            known = ", ".join(s.describe() for s in self.schemes)
+            raise PlanError(f"unknown scheme {scheme.describe()} for cost model {self.name!r}; known: {known}") from None
+
+    def max_tokens(self, scheme: ParallelScheme) -> int:
+        """Most tokens one micro-batch of ``scheme`` may hold (also its longest sequence)."""
+        return self.cost(scheme).max_tokens
+
+    def longest_supported(self) -> int:
+        """The longest sequence any known scheme can hold."""
+        return max(e.max_tokens for e in self.entries)
+
+    def micro_batch_ms(self, scheme: ParallelScheme, seq_lens: Sequence[int]) -> float:
+        """Time of one packed micro-batch on one stage: ``sum_i (a s_i^2 + b s_i) + c``."""
+        e = self.cost(scheme)
+        return sum(e.a * s * s + e.b * s for s in seq_lens) + e.c
+
+    @staticmethod
+    def replica_ms(scheme: ParallelScheme, micro_batch_ms: Sequence[float]) -> float:
+        """1F1B time of a replica: ``sum_j t_j + (pp - 1) * max_j t_j`` (0 for no micro-batch)."""
+        if not micro_batch_ms:
+            return 0.0
+        return float(sum(micro_batch_ms) + (scheme.pp - 1) * max(micro_batch_ms))
+
+    def fits(self, strategy: Strategy) -> list[ParallelScheme]:
+        """The schemes of ``strategy`` this model cannot run (unknown, or no memory left for a token)."""
+        return [s for s in strategy.schemes if s not in self._index or self._index[s].max_tokens <= 0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaPlan:
+    """One replica of a step: its scheme, ranks, micro-batches and estimated time."""
+
+    scheme: ParallelScheme
+    """The replica's layout."""
+    ranks: tuple[int, ...]
+    """Global ranks, stage-major: stage j's TP group is ``ranks[j*tp*cp:(j+1)*tp*cp]``."""
+    micro_batches: tuple[tuple[int, ...], ...]
+    """Each micro-batch as indices into the step's ``seq_lens``."""
+    max_tokens: int
+    """Token cap of one micro-batch of this scheme."""
+    est_ms: float
+    """Cost-model estimate of this replica's 1F1B time."""
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != self.scheme.gpus:
+            raise PlanError(f"replica {self.scheme.describe()} needs {self.scheme.gpus} ranks, got {len(self.ranks)}")
+
+    def to_dict(self) -> dict:
+        """The JSON form used by ``--plans-out``."""
+        return {
+            "tp": self.scheme.tp,
+            "pp": self.scheme.pp,
+            "cp": self.scheme.cp,
+            "ranks": list(self.ranks),
+            "max_tokens": self.max_tokens,
+            "micro_batches": [list(mb) for mb in self.micro_batches],
+            "est_ms": round(self.est_ms, 3),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """The whole plan of one training step: strategy, replicas with their data, estimates."""
+
+    strategy: Strategy
+    """The step's strategy."""
+    seq_lens: tuple[int, ...]
+    """Lengths of the global batch's sequences; micro-batches index into this."""
+    replicas: tuple[ReplicaPlan, ...]
+    """One entry per replica, in the strategy's canonical order."""
+    est_step_ms: float
+    """Estimated step time: the slowest replica."""
+    lower_bound_ms: float
+    """A bound no plan of this batch on this cluster can beat (DESIGN.md section 6.2)."""
+    policy: str = "hydraulis"
+    """The planner policy that made the plan."""
+    solve_ms: float = 0.0
+    """Wall-clock time the planner needed for this step."""
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the plan uses."""
+        return self.strategy.gpus
+
+    def to_dict(self, step: int | None = None) -> dict:
+        """The JSON form of one ``--plans-out`` line."""
+        out: dict = {} if step is None else {"step": step}
+        out.update(
+            policy=self.policy,
+            strategy=self.strategy.describe(),
+            num_gpus=self.num_gpus,
+            seq_lens=list(self.seq_lens),
+            replicas=[r.to_dict() for r in self.replicas],
+            est_step_ms=round(self.est_step_ms, 3),
+            lower_bound_ms=round(self.lower_bound_ms, 3),
+            solve_ms=round(self.solve_ms, 3),
+        )
+        return out
+
+    def to_json(self, step: int | None = None) -> str:
+        """One JSON line."""
+        return json.dumps(self.to_dict(step), separators=(",", ":"))
