@@ -41,7 +41,7 @@ class GPTConfig:
     """Transformer blocks."""
     heads: int = 4
     """Attention heads."""
-    hidden: int = 32
+    hidden: int = 64
     """Model width; a multiple of ``heads``."""
     bias: bool = True
     """Biases in linears and LayerNorms."""
@@ -117,9 +117,9 @@ class LlamaConfig:
     """Vocabulary size."""
     layers: int = 2
     """Transformer blocks."""
-    hidden: int = 32
+    hidden: int = 64
     """Model width; a multiple of ``heads``."""
-    ffn_hidden: int = 88
+    ffn_hidden: int = 128
     """SwiGLU inner width."""
     heads: int = 4
     """Query heads."""

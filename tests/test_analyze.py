@@ -47,7 +47,7 @@ def test_captured_gpt_analysis_golden():
     cap = capture(GPT(), torch.zeros(1, 8, dtype=torch.long))
     an = analyze_graph(cap.graph_module)
     assert an.describe() == (
-        "layers=2 hidden=32 params=32640 linear_flops/token=5.53e+04 attn_flops/seq^2=128 "
+        "layers=2 hidden=64 params=114432 linear_flops/token=2.089e+05 attn_flops/seq^2=256 "
         "ops[attention=2,elementwise=7,embedding=2,input=1,linear=9,norm=5,other=1,output=1,param=28,view=26]"
     )
     norms = [n for n in cap.graph_module.graph.nodes if classify_node(n) is OpClass.NORM]
