@@ -26,10 +26,12 @@ __all__ = ["CompiledModel", "compile", "hydraulis"]
 class CompiledModel:
     """A model with its packed forward and its variants, compiled lazily and cached per bucket."""
 
-    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager") -> None:
+    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
+                 **runtime_options: Any) -> None:
         self.model = model
         self.buckets = buckets
         self.backend = backend
+        self.runtime_options = dict(runtime_options)  # e.g. cluster=...: read by the runtime's train_step
         self._captures: dict[int, Captured] = {}
         self._packed: dict[int, fx.GraphModule] = {}
         self._variants: dict[tuple, Variant] = {}
@@ -84,11 +86,15 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager") -> CompiledModel:
-    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use)."""
+def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
+            **runtime_options: Any) -> CompiledModel:
+    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use).
+
+    ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
+    ``backend``: the torch.compile backend of the variants; other options are kept for the runtime."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
-    return CompiledModel(model, buckets=buckets, backend=backend)
+    return CompiledModel(model, buckets=buckets, backend=backend, **runtime_options)
 
 
 def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type] | type:
