@@ -101,9 +101,9 @@ def _parse_int(text: str, where: str) -> int:
         value = float(text)
     except (TypeError, ValueError):
         raise PlanError(f"{where}: a sequence length must be a positive integer, got {text!r}") from None
-    if not value.is_integer():
+    if not value.is_integer() or value < 1:
         raise PlanError(f"{where}: a sequence length must be a positive integer, got {text!r}")
-    return check_length(int(value), where=where)
+    return int(value)
 
 
 def read_lengths_file(path: str | Path) -> list[int] | LengthDataset:
