@@ -98,6 +98,8 @@ class PlanReport:
     """The fixed homogeneous strategy of the baselines."""
     lower_bound_ms: tuple[float, ...]
     """The lower bound of each step."""
+    cost_model: CostModel
+    """The cost model the estimates come from."""
     results: dict[str, PolicyResult] = field(default_factory=dict)
     """Per policy."""
 
@@ -190,7 +192,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     }
     bounds = tuple(per_policy[job.policies[0]][i].lower_bound_ms for i in range(len(batches)))
     report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,
-                        lower_bound_ms=bounds, results=results)
+                        lower_bound_ms=bounds, cost_model=planner.cost_model, results=results)
     if plans_out is not None:
         _write_atomically(plans_out, [p.to_json(step=i // len(job.policies)) for i, p in enumerate(plans)])
     return report, plans
