@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from passes.ir import CostModel, ParallelScheme, PlanError
 
-__all__ = ["Kind", "pack_replica", "dispatch", "pack_fewest_bins", "estimate_replica_ms"]
+__all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", "estimate_replica_ms"]
 
 _EPS = 1e-9
 _EXACT_LIMIT = 4096  # assignments enumerated at most by the exact solve of tiny instances
@@ -65,11 +65,11 @@ def estimate_replica_ms(kind: Kind, work: float, tokens: int, longest: float, co
     return best
 
 
-def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[list[int]]:
-    """First-fit decreasing by tokens: few micro-batches of at most ``cap`` tokens."""
+def first_fit(seq_lens: list[int], order: list[int], cap: int) -> list[list[int]]:
+    """Each sequence, in ``order``, into the first micro-batch with room for it (at most ``cap`` tokens)."""
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(indices, key=lambda j: (-seq_lens[j], j)):
+    for i in order:
         s = seq_lens[i]
         for b, left in enumerate(room):
             if s <= left:
@@ -80,6 +80,11 @@ def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[
             bins.append([i])
             room.append(cap - s)
     return bins
+
+
+def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[list[int]]:
+    """First-fit decreasing by tokens: few micro-batches of at most ``cap`` tokens."""
+    return first_fit(seq_lens, sorted(indices, key=lambda j: (-seq_lens[j], j)), cap)
 
 
 def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: list[float],

@@ -21,7 +21,7 @@ import numpy as np
 
 from passes.datasets import check_batch
 from passes.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
-from passes.plan_assign import Kind, dispatch
+from passes.plan_assign import Kind, dispatch, first_fit
 from passes.plan_placement import assign_ranks, usable_schemes
 from passes.plan_pool import fluid_estimate
 
@@ -163,7 +163,7 @@ class Planner:
             bins = _token_balanced(seq_lens, len(kinds), kind.max_tokens)
             return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins])
         if policy == "fixed-packing":
-            micro = _first_fit_in_order(seq_lens, kind.max_tokens)
+            micro = first_fit(seq_lens, list(range(len(seq_lens))), kind.max_tokens)
             bins = [micro[r::len(kinds)] for r in range(len(kinds))]
             return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins])
         micro = _padded_in_order(seq_lens, kind.max_tokens)
@@ -214,21 +214,6 @@ def _token_bins(seq_lens: list[int], share: list[int], cap: int) -> list[list[in
         else:
             return bins
         v += 1
-
-
-def _first_fit_in_order(seq_lens: list[int], cap: int) -> list[list[int]]:
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i, s in enumerate(seq_lens):
-        for b, left in enumerate(room):
-            if s <= left:
-                bins[b].append(i)
-                room[b] -= s
-                break
-        else:
-            bins.append([i])
-            room.append(cap - s)
-    return bins
 
 
 def _padded_in_order(seq_lens: list[int], cap: int) -> list[list[int]]:

@@ -13,31 +13,16 @@ homogeneous strategy sized for the dataset's longest sequence.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-
 import numpy as np
 
 from passes.datasets import LengthDataset
 from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
+from passes.plan_assign import Kind
 from passes.plan_placement import placeable, usable_schemes
 
 __all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate"]
 
 _SPLIT_POINTS = 257
-
-
-@dataclass(frozen=True, slots=True)
-class _Coeffs:
-    a: float
-    b: float
-    c: float
-    mt: int
-    pp: int
-
-    @classmethod
-    def of(cls, cost_model: CostModel, scheme: ParallelScheme) -> "_Coeffs":
-        e = cost_model.cost(scheme)
-        return cls(e.a, e.b, e.c, e.max_tokens, scheme.pp)
 
 
 def tier_caps(cost_model: CostModel, gpus: int, longest: int) -> list[int]:
@@ -75,11 +60,11 @@ def conditional_batches(dataset: LengthDataset, global_tokens: int, low: int, hi
     return batches
 
 
-def _type_ms(k: _Coeffs, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, n: np.ndarray) -> np.ndarray:
+def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Fluid 1F1B time of one of ``n`` equal replicas sharing ``work`` ms over ``tokens``."""
     w, t = work / n, tokens / n
     busy = np.where(work > 0, 1.0, 0.0)
-    v_min = np.maximum(1.0, t / k.mt)
+    v_min = np.maximum(1.0, t / k.max_tokens)
     if k.pp == 1:
         return busy * np.maximum(w + k.c * v_min, longest + k.c)
     v = np.maximum(v_min, np.sqrt((k.pp - 1) * w / k.c)) if k.c > 0 else np.maximum(v_min, 1.0)
@@ -101,14 +86,14 @@ def _split_grid(seqs_desc: np.ndarray, caps: list[int], parts: int) -> np.ndarra
     return np.stack((first[keep], second[keep]), axis=1)
 
 
-def fluid_makespan(types: list[_Coeffs], counts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
     """Estimated makespan on one batch of strategies made of ``types`` (largest capacity first), one row of
     replica counts per strategy in ``counts`` (shape C x K). Type k takes the k-th segment of the batch
     sorted longest first; the best segment boundaries are searched on a grid."""
     s = np.sort(seqs.astype(np.float64))[::-1]
     n = len(s)
     tokens = np.concatenate(([0.0], np.cumsum(s)))
-    bounds = _split_grid(s, [t.mt for t in types], len(types))
+    bounds = _split_grid(s, [t.max_tokens for t in types], len(types))
     starts = np.concatenate((np.zeros((len(bounds), 1), dtype=int), bounds), axis=1)
     ends = np.concatenate((bounds, np.full((len(bounds), 1), n)), axis=1)
     worst = np.zeros((counts.shape[0], len(bounds)))
@@ -118,7 +103,7 @@ def fluid_makespan(types: list[_Coeffs], counts: np.ndarray, seqs: np.ndarray) -
         lo, hi = starts[:, k], ends[:, k]
         empty = hi <= lo
         head = np.minimum(lo, n - 1)
-        feasible = empty | (s[head] <= t.mt)
+        feasible = empty | (s[head] <= t.max_tokens)
         longest = np.where(empty, 0.0, w[head])
         ms = _type_ms(t, prefix[hi] - prefix[lo], tokens[hi] - tokens[lo], longest,
                       counts[:, k:k + 1].astype(np.float64))
@@ -130,7 +115,7 @@ def fluid_estimate(cost_model: CostModel, strategy: Strategy, seq_lens: list[int
     """The fluid makespan estimate of one strategy on one batch (inf when it cannot hold the batch)."""
     types = sorted(strategy.schemes, key=lambda t: (-cost_model.max_tokens(t), -t.gpus))
     counts = np.array([[dict(strategy.parts)[t] for t in types]])
-    coeffs = [_Coeffs.of(cost_model, t) for t in types]
+    coeffs = [Kind.of(cost_model, t) for t in types]
     return float(fluid_makespan(coeffs, counts, np.asarray(seq_lens, dtype=np.int64))[0])
 
 
@@ -153,7 +138,7 @@ def _mixes(cost_model: CostModel, gpus: int, types: list[ParallelScheme],
 
 def _score(cost_model: CostModel, types: list[ParallelScheme], mixes: list[Strategy],
            batches: list[np.ndarray]) -> list[tuple[float, str, Strategy]]:
-    coeffs = [_Coeffs.of(cost_model, t) for t in types]
+    coeffs = [Kind.of(cost_model, t) for t in types]
     counts = np.array([[dict(m.parts).get(t, 0) for t in types] for m in mixes])
     mean = sum(fluid_makespan(coeffs, counts, b) for b in batches) / len(batches)
     return [(float(score), m.describe(), m) for score, m in zip(mean, mixes)]

@@ -74,9 +74,10 @@ def test_toy_plans_hold_every_invariant(seq_lens, policy):
 @settings(max_examples=40, deadline=None)
 @given(seq_lens=st.lists(st.integers(min_value=1, max_value=256), min_size=1, max_size=30),
        strategy=st.sampled_from(TOY_POOL + homogeneous_strategies(TOY, 8)))
-def test_every_strategy_two_stage(seq_lens, strategy):
-    assignment = TOY_PLANNER._two_stage(strategy, seq_lens)
-    plan = TOY_PLANNER.plan(seq_lens)  # the chosen strategy is at least as good as any in the pool
+def test_selection_without_pruning_is_the_best_of_the_pool(seq_lens, strategy):
+    exhaustive = Planner(TOY, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"), prune_above=float("inf"))
+    assignment = exhaustive._two_stage(strategy, seq_lens)
+    plan = exhaustive.plan(seq_lens)
     if strategy in TOY_POOL:
         assert plan.est_step_ms <= assignment.est_ms + 1e-6
 
