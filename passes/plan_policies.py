@@ -95,14 +95,20 @@ class Planner:
                             f"{', '.join(s.describe() for s in bad)}")
         assign_ranks(strategy, self.cost_model.gpus_per_node)
 
-    def plan(self, seq_lens: list[int], policy: str = "hydraulis") -> StepPlan:
-        """One step's plan under ``policy``; raises PlanError for a bad batch or policy."""
+    def plan(self, seq_lens: list[int], policy: str = "hydraulis", strategy: Strategy | None = None) -> StepPlan:
+        """One step's plan under ``policy`` (or, with ``strategy`` given, that strategy with the two-stage
+        assignment); raises PlanError for a bad batch, policy or strategy."""
         if policy not in POLICIES:
             raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         seq_lens = check_batch(list(seq_lens))
         bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens)
         started = time.perf_counter()
-        if policy in ("padding", "fixed-packing", "homogeneous-token"):
+        if strategy is not None:
+            self._check_strategy(strategy)
+            if not self._holds(strategy, max(seq_lens)):
+                raise PlanError(f"strategy {strategy.describe()} cannot hold a sequence of {max(seq_lens)} tokens")
+            best, policy = self._two_stage(strategy, seq_lens), "forced"
+        elif policy in ("padding", "fixed-packing", "homogeneous-token"):
             best = self._baseline(policy, seq_lens)
         else:
             candidates = self.pool if policy == "hydraulis" else self.homogeneous
