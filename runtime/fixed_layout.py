@@ -53,6 +53,10 @@ class ParamSlice:
 
 FULL = ParamSlice()
 
+# torch renamed the flat-tensor collectives; use the new names where they exist.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class FixedLayout:
     """Parameters flattened in a fixed order into one fp32 vector, sharded equally over ``world_size``."""
@@ -86,7 +90,7 @@ class FixedLayout:
         if self.world_size == 1:
             flat.copy_(self.shard.detach())
         else:
-            dist.all_gather_into_tensor(flat, self.shard.detach().contiguous())
+            _all_gather(flat, self.shard.detach().contiguous())
             self.param_bytes_moved += (self.world_size - 1) * self.shard_numel * 4
         return {name: self._view(flat, name) for name in self.shapes}
 
@@ -102,7 +106,7 @@ class FixedLayout:
             shard_grad = flat
         elif dist.get_backend() == "nccl":
             shard_grad = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
-            dist.reduce_scatter_tensor(shard_grad, flat)
+            _reduce_scatter(shard_grad, flat)
             self.grad_bytes_moved += (self.world_size - 1) * self.shard_numel * 4
         else:
             dist.all_reduce(flat)
