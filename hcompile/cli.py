@@ -11,6 +11,7 @@ from passes.cost_model import PRESET_HARDWARE, PRESET_MODELS
 from passes.datasets import PRESET_DATASETS
 from passes.ir import PlanError
 from passes.plan_policies import POLICIES
+from runtime.launch import LaunchError
 
 __all__ = ["main", "build_parser"]
 
@@ -47,11 +48,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run a training script on N local ranks (gloo on CPU, NCCL on GPUs)",
+                       description="Start N ranks of a script on this machine, as torchrun would.")
+    p.add_argument("--nproc", type=_positive_int, required=True, help="ranks to start")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hcompile``."""
     parser = argparse.ArgumentParser(prog="hcompile", description="Hydraulis training compiler.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
+    _add_launch(sub)
     return parser
 
 
@@ -77,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _run_plan(args)
-    except PlanError as exc:
+        if args.command == "launch":
+            from runtime.launch import launch
+
+            return launch(args.nproc, args.script, args.script_args)
+    except (PlanError, LaunchError) as exc:
         print(f"hcompile {args.command}: error: {exc}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command!r}")
