@@ -1,0 +1,135 @@
+"""The packed-attention custom op (``hydraulis::packed_attention``) and its public entry point.
+
+Two ``torch.library`` custom ops, forward and backward, each with a fake implementation so that
+``torch.compile(fullgraph=True)`` captures them without a graph break; the forward's autograd formula calls the
+backward op.  ``max_seqlen`` is a ``SymInt`` in both schemas, so with dynamic shapes it is a symbol like the
+token and sequence counts and new lengths do not recompile.  The real implementations validate the values of
+``cu_seqlens`` (a ValueError, before any kernel runs) and dispatch to the Triton kernels or to the plain-torch
+reference, as the already resolved ``backend`` string says.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from codegen.reference import reference_backward, reference_forward
+from codegen.triton_launch import triton_backward, triton_forward
+from codegen.validation import check_layout, check_offsets
+
+_FORWARD_NAME = "hydraulis::packed_attention"
+_BACKWARD_NAME = "hydraulis::packed_attention_backward"
+
+
+@torch.library.custom_op(_FORWARD_NAME, mutates_args=())
+def packed_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    softmax_scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention forward on one backend ("triton" or "reference"); returns (out, lse)."""
+    check_layout(q, k, v, cu_seqlens, max_seqlen, backend)
+    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
+    if backend == "triton":
+        return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale)
+    return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
+
+
+@packed_attention_op.register_fake
+def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend):
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op(_BACKWARD_NAME, mutates_args=())
+def packed_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    softmax_scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp."""
+    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
+    kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
+    if backend == "triton":
+        return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, **kwargs)
+    return reference_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
+
+
+@packed_attention_backward_op.register_fake
+def _packed_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
+                                    backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.max_seqlen = max_seqlen
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.backend = backend
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
+    # lse is an internal output that packed_attention never returns, so grad_lse is None or zeros.
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    grad_q, grad_k, grad_v = packed_attention_backward_op(
+        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.backend
+    )
+    return grad_q, grad_k, grad_v, None, None, None, None, None
+
+
+packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` is Triton on a CUDA device and the reference elsewhere; other names pass through."""
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" else "reference"
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention within each sequence of a packed batch; differentiable in q, k and v.
+
+    q: (total_tokens, heads_q, head_dim); k, v: (total_tokens, heads_kv, head_dim) with heads_q % heads_kv == 0
+    (GQA, MQA); cu_seqlens: int32 (num_seqs + 1) offsets from 0 to total_tokens, non-decreasing; max_seqlen:
+    an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``backend``:
+    "triton", "reference" or "auto" (Triton on a GPU, the reference elsewhere).  Returns a tensor like q.
+    Contract violations raise ValueError before any kernel runs.  Under torch.compile, compile with dynamic
+    shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
+    lengths and sequence counts reuse the compiled graph.
+    """
+    check_layout(q, k, v, cu_seqlens, max_seqlen, backend)
+    resolved = resolve_backend(backend, q.device)
+    check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
+    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, resolved)
+    return out

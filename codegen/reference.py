@@ -1,0 +1,95 @@
+"""Plain-torch packed attention: the oracle for the Triton kernels and the CPU path of the custom op.
+
+Each sequence of the packed batch is attended separately (so cost is the sum of per-sequence costs and no
+cross-sequence score is ever formed).  Arithmetic is fp32 whatever the input dtype.  The backward pass uses
+the same recomputation as the kernels: probabilities are rebuilt from the saved log-sum-exp, so the forward
+needs to keep only the output and one fp32 value per (head, token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expand_kv(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(len, heads_kv, d) -> (heads_q, len, d): each kv head serves ``group_size`` consecutive query heads."""
+    return x.transpose(0, 1).repeat_interleave(group_size, dim=0).float()
+
+
+def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """(len, len) boolean, True where key j is visible to query i (j <= i)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: list[int],
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32."""
+    total_tokens, heads_q, _ = q.shape
+    group_size = heads_q // k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.zeros(heads_q, total_tokens, dtype=torch.float32, device=q.device)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        if end == start:
+            continue
+        q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
+        k_seq = _expand_kv(k[start:end], group_size)
+        v_seq = _expand_kv(v[start:end], group_size)
+        scores = torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale  # (heads_q, len, len)
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(end - start, q.device), float("-inf"))
+        seq_lse = torch.logsumexp(scores, dim=-1)  # (heads_q, len)
+        probs = torch.exp(scores - seq_lse.unsqueeze(-1))
+        out[start:end] = torch.matmul(probs, v_seq).transpose(0, 1).to(q.dtype)
+        lse[:, start:end] = seq_lse
+    return out, lse
+
+
+def reference_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    offsets: list[int],
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of packed attention for q, k and v, recomputing probabilities from the saved ``lse``."""
+    heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group_size = heads_q // heads_kv
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        if end == start:
+            continue
+        length = end - start
+        q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
+        k_seq = _expand_kv(k[start:end], group_size)
+        v_seq = _expand_kv(v[start:end], group_size)
+        do_seq = grad_out[start:end].transpose(0, 1).float()
+        o_seq = out[start:end].transpose(0, 1).float()
+        scores = torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale
+        probs = torch.exp(scores - lse[:, start:end].unsqueeze(-1))
+        if causal:
+            probs = probs.masked_fill(~_causal_mask(length, q.device), 0.0)
+        delta = (do_seq * o_seq).sum(dim=-1, keepdim=True)  # (heads_q, len, 1) = rowsum(P * dP)
+        grad_probs = torch.matmul(do_seq, v_seq.transpose(1, 2))
+        grad_scores = probs * (grad_probs - delta)
+        grad_q_seq = torch.matmul(grad_scores, k_seq) * softmax_scale
+        # Sum the group's query heads back onto their shared kv head: (heads_q, len, d) -> (heads_kv, len, d).
+        grad_k_seq = (torch.matmul(grad_scores.transpose(1, 2), q_seq) * softmax_scale).view(
+            heads_kv, group_size, length, head_dim
+        ).sum(dim=1)
+        grad_v_seq = torch.matmul(probs.transpose(1, 2), do_seq).view(heads_kv, group_size, length, head_dim).sum(1)
+        grad_q[start:end] = grad_q_seq.transpose(0, 1).to(q.dtype)
+        grad_k[start:end] = grad_k_seq.transpose(0, 1).to(k.dtype)
+        grad_v[start:end] = grad_v_seq.transpose(0, 1).to(v.dtype)
+    return grad_q, grad_k, grad_v

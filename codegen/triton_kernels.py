@@ -1,0 +1,191 @@
+"""Triton kernel bodies for packed (varlen) attention: forward, dq backward and dk/dv backward.
+
+The bodies are plain Python functions, not yet jitted: ``codegen.triton_launch`` turns them into kernels per
+``KernelSpec`` (its fields arrive as ``tl.constexpr`` arguments) and per interpreter mode, so that
+``TRITON_INTERPRET`` is read when a kernel is first generated, not when this module is imported.
+
+Layout: q, out, dout, dq are (total_tokens, heads_q, head_dim); k, v, dk, dv are (total_tokens, heads_kv,
+head_dim); lse and delta are (heads_q, total_tokens) fp32; ``cu_seqlens`` is int32 (num_seqs + 1).  A program
+handles one block of rows of one sequence and one head; rows past the sequence's end are masked, programs whose
+block starts past the end return at once.  Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) -
+lse * log2(e))``.  ``seqlen_bucket`` (max_seqlen rounded up to a power of two) is unused by the bodies: it is the
+autotune key on a GPU.  ``UPCAST`` casts loaded q, k, v, dout to fp32: the interpreter's ``tl.dot`` multiplies the raw
+bits of bf16 operands, so bf16 specs set it under ``TRITON_INTERPRET=1``.  Padding rows use a large finite negative score instead of -inf so that no NaN is formed.
+"""
+
+
+import triton.language as tl
+
+LOG2_E = tl.constexpr(1.4426950408889634)
+NEG_LARGE = tl.constexpr(-1.0e30)
+
+
+def packed_attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    scale, seqlen_bucket,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_seqlens_ptr + seq)
+    length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    if block_m * BLOCK_M < length:
+        head_kv = head // GROUP
+        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        row_ok = rows < length
+        q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        qk_scale = scale * LOG2_E
+        m_i = tl.full([BLOCK_M], NEG_LARGE, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        stop = length
+        if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
+            stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+        for col_start in range(0, stop, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)
+            col_ok = cols < length
+            k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + head_kv * stride_kh + dims[None, :],
+                        mask=col_ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + head_kv * stride_vh + dims[None, :],
+                        mask=col_ok[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            visible = col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale, NEG_LARGE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse_ptr + head * stride_lh + start + rows, (m_i + tl.log2(l_i)) / LOG2_E, mask=row_ok)
+
+
+def packed_attention_backward_dq_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
+    stride_dqt, stride_dqh, stride_lh,
+    scale, seqlen_bucket,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_seqlens_ptr + seq)
+    length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    if block_m * BLOCK_M < length:
+        head_kv = head // GROUP
+        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        row_ok = rows < length
+        q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        do = tl.load(dout_ptr + (start + rows)[:, None] * stride_dout_t + head * stride_dout_h + dims[None, :],
+                     mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            do = do.to(tl.float32)
+        lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
+        delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
+        qk_scale = scale * LOG2_E
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        stop = length
+        if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
+            stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+        for col_start in range(0, stop, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)
+            col_ok = cols < length
+            k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + head_kv * stride_kh + dims[None, :],
+                        mask=col_ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + head_kv * stride_vh + dims[None, :],
+                        mask=col_ok[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            visible = col_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        dq = dq * scale
+        tl.store(dq_ptr + (start + rows)[:, None] * stride_dqt + head * stride_dqh + dims[None, :],
+                 dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def packed_attention_backward_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    scale, seqlen_bucket,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program owns a block of key rows of one kv head and loops over the GROUP query heads sharing it,
+    so dk and dv are written once, without atomics."""
+    block_n, seq, head_kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_seqlens_ptr + seq)
+    length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    if block_n * BLOCK_N < length:
+        cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, HEAD_DIM)
+        col_ok = cols < length
+        k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + head_kv * stride_kh + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + head_kv * stride_vh + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        qk_scale = scale * LOG2_E
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        # Causal: query rows before this key block see none of it; start at the block that holds its first key.
+        first_row = 0
+        if CAUSAL:
+            first_row = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        for member in range(GROUP):
+            head = head_kv * GROUP + member
+            for row_start in range(first_row, length, BLOCK_M):
+                rows = row_start + tl.arange(0, BLOCK_M)
+                row_ok = rows < length
+                q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                do = tl.load(dout_ptr + (start + rows)[:, None] * stride_dout_t + head * stride_dout_h + dims[None, :],
+                             mask=row_ok[:, None], other=0.0)
+                if UPCAST:
+                    do = do.to(tl.float32)
+                lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
+                delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
+                visible = col_ok[:, None] & row_ok[None, :]  # transposed: (keys, queries)
+                if CAUSAL:
+                    visible = visible & (cols[:, None] <= rows[None, :])
+                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+                p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        dk = dk * scale
+        tl.store(dk_ptr + (start + cols)[:, None] * stride_dkt + head_kv * stride_dkh + dims[None, :],
+                 dk.to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(dv_ptr + (start + cols)[:, None] * stride_dvt + head_kv * stride_dvh + dims[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])

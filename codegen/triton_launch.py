@@ -1,0 +1,166 @@
+"""Generation and launch of the Triton packed-attention kernels.
+
+Kernels are generated on first use from the bodies in ``codegen.triton_kernels``: one jitted kernel per
+(kernel body, autotune space, interpreter mode), cached.  On a GPU the space of ``KernelSpec``s that
+``codegen.spec.spec_space`` allows becomes a ``triton.autotune`` config list keyed by the bucketed
+``max_seqlen``; under ``TRITON_INTERPRET=1`` the single small interpreter spec is passed directly.  Triton is
+imported here only when a kernel is first needed, so ``import codegen`` works without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any, Callable
+
+import torch
+
+from codegen.spec import KernelSpec, spec_space
+
+_TRUE_STRINGS = ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE_STRINGS
+
+
+def triton_available() -> bool:
+    """Whether the optional ``triton`` package is installed."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def require_triton_runnable(device: torch.device) -> None:
+    """Raise a RuntimeError explaining why the Triton backend cannot run on ``device``, if it cannot."""
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package: pip install 'hydraulis[triton]'")
+    if device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "backend='triton' on CPU tensors runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before the first call, or use backend='reference'"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"backend='triton' does not support device {device}")
+
+
+def _problem_specs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[KernelSpec, ...]:
+    return spec_space(
+        head_dim=q.shape[2],
+        dtype=q.dtype,
+        causal=causal,
+        group_size=q.shape[1] // k.shape[1],
+        interpret=interpreting(),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _generate(body_name: str, specs: tuple[KernelSpec, ...], interpret: bool) -> Any:
+    """Jit one kernel body; wrap it in an autotuner over ``specs`` unless interpreting (then len(specs) == 1)."""
+    import triton
+
+    from codegen import triton_kernels
+
+    kernel = triton.jit(getattr(triton_kernels, body_name))
+    if interpret:
+        return kernel
+    configs = [
+        triton.Config(
+            {"BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n}, num_warps=spec.num_warps, num_stages=spec.num_stages
+        )
+        for spec in specs
+    ]
+    return triton.autotune(configs=configs, key=["seqlen_bucket", "stride_qh", "stride_kh"])(kernel)
+
+
+def _launch(
+    body_name: str, specs: tuple[KernelSpec, ...], grid_rows: Callable[[dict], int], grid_rest: tuple[int, int],
+    args: tuple, max_seqlen: int,
+) -> None:
+    """Launch a generated kernel with the spec's constexprs; block sizes come from autotuning on a GPU."""
+    interpret = interpreting()
+    kernel = _generate(body_name, specs, interpret)
+    spec = specs[0]
+    constexprs: dict[str, Any] = {
+        "HEAD_DIM": spec.head_dim,
+        "CAUSAL": spec.causal,
+        "GROUP": spec.group_size,
+        "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32",
+        "UPCAST": spec.upcast_operands,
+    }
+    if interpret:
+        constexprs.update(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n)
+    bucket = 1 << max(max_seqlen - 1, 0).bit_length()  # next power of two: the autotune key
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (grid_rows(meta), *grid_rest)
+
+    kernel[grid](*args, bucket, **constexprs)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _nothing_to_do(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> bool:
+    return q.shape[0] == 0 or cu_seqlens.shape[0] < 2 or max_seqlen == 0
+
+
+def triton_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    *, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention forward with the generated kernel: ``out`` like q and fp32 ``lse`` (heads_q, tokens)."""
+    require_triton_runnable(q.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    if _nothing_to_do(q, cu_seqlens, max_seqlen):
+        return out, lse
+    specs = _problem_specs(q, k, causal)
+    args = (
+        q, k, v, out, lse, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), softmax_scale,
+    )
+    with _device_guard(q.device):
+        _launch("packed_attention_forward_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
+                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max_seqlen)
+    return out, lse
+
+
+def triton_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for q, k, v: a dq kernel over query blocks and a dk/dv kernel over key blocks."""
+    require_triton_runnable(q.device)
+    q, k, v, grad_out, lse = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous(), lse.contiguous()
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if _nothing_to_do(q, cu_seqlens, max_seqlen):
+        return grad_q, grad_k, grad_v
+    # delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: (tokens, heads_q, d) -> (heads_q, tokens)
+    delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(0, 1).contiguous()
+    specs = _problem_specs(q, k, causal)
+    num_seqs = cu_seqlens.shape[0] - 1
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+              grad_out.stride(0), grad_out.stride(1))
+    dq_args = (q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, *common,
+               grad_q.stride(0), grad_q.stride(1), lse.stride(0), softmax_scale)
+    dkdv_args = (q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, *common,
+                 grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1), lse.stride(0), softmax_scale)
+    with _device_guard(q.device):
+        _launch("packed_attention_backward_dq_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
+                (num_seqs, q.shape[1]), dq_args, max_seqlen)
+        _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_N"]),
+                (num_seqs, k.shape[1]), dkdv_args, max_seqlen)
+    return grad_q, grad_k, grad_v
+
+
+def _device_guard(device: torch.device) -> Any:
+    """Make ``device`` current for the launch (kernels go to the current CUDA device)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -1,0 +1,113 @@
+"""What users touch: ``hcompile.compile(model)`` and the ``@hcompile.hydraulis`` class decorator.
+
+Owns :class:`CompiledModel`, the compiled face of a model: ``packed(input_ids, cu_seqlens)`` runs n whole
+sequences packed along the token axis and equals running the model on each alone. The packed graph is
+captured once per token bucket (total tokens are padded up to the bucket; the padding is one extra
+sequence whose output is dropped) and rewritten by the packed-attention pass; ``variant(...)`` builds the
+runtime's per-(scheme, stage, bucket) variants from the same capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from hcompile.capture import Captured, capture
+from passes.ir import ParallelScheme
+from passes.packed_attention import rewrite_packed_attention_pass
+from passes.pass_runner import PassContext, PassRecord, run_passes
+from passes.variant import TokenBuckets
+
+__all__ = ["CompiledModel", "compile", "hydraulis"]
+
+
+class CompiledModel:
+    """A model with its packed forward and its variants, compiled lazily and cached per bucket."""
+
+    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager") -> None:
+        self.model = model
+        self.buckets = buckets
+        self.backend = backend
+        self._captures: dict[int, Captured] = {}
+        self._packed: dict[int, fx.GraphModule] = {}
+        self.records: list[PassRecord] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def captured(self, tokens: int) -> Captured:
+        """The forward captured on input (1, tokens), cached."""
+        if tokens not in self._captures:
+            device = next(self.model.parameters()).device
+            self._captures[tokens] = capture(self.model, torch.zeros(1, tokens, dtype=torch.long, device=device))
+        return self._captures[tokens]
+
+    def packed_graph(self, tokens: int) -> fx.GraphModule:
+        """The packed forward for exactly ``tokens`` tokens: inputs (input_ids (1, T), cu_seqlens, max_seqlen)."""
+        if tokens not in self._packed:
+            source = self.captured(tokens).graph_module
+            gm = fx.GraphModule(source, _copy_graph(source), class_name="Packed" + type(self.model).__name__)
+            gm, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+            self.records.extend(records)
+            self._packed[tokens] = gm
+        return self._packed[tokens]
+
+    def packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Logits (T, vocab) of n packed sequences; equals the model on each sequence, concatenated."""
+        ids, cu, max_seqlen, total, bucket = _pad_to_bucket(input_ids, cu_seqlens, self.buckets)
+        out = self.packed_graph(bucket)(ids, cu, max_seqlen)[self.captured(bucket).output_index]
+        return out[0, :total]
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A deep copy of ``gm``'s graph, node metadata included, so rewrites leave the capture intact."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return graph
+
+
+def _pad_to_bucket(
+    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, buckets: TokenBuckets | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    if input_ids.dim() != 1:
+        raise ValueError(f"packed input_ids must be (total_tokens,), got shape {tuple(input_ids.shape)}")
+    total = int(input_ids.shape[0])
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != total:
+        raise ValueError(f"cu_seqlens must be int32 (n+1,) ending at {total}, got {cu_seqlens.tolist()!r} "
+                         f"({cu_seqlens.dtype})")
+    bucket = buckets.bucket_for(total) if buckets is not None else total
+    ids, cu = input_ids, cu_seqlens
+    if bucket > total:
+        ids = torch.cat([ids, ids.new_zeros(bucket - total)])  # padding: one extra sequence, dropped
+        cu = torch.cat([cu, cu.new_tensor([bucket])])
+    max_seqlen = bucket if buckets is not None else int((cu[1:] - cu[:-1]).max())
+    return ids[None], cu, max_seqlen, total, bucket
+
+
+def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager") -> CompiledModel:
+    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
+    return CompiledModel(model, buckets=buckets, backend=backend)
+
+
+def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type] | type:
+    """Class decorator: instances gain ``packed`` and ``variant``, compiled on first use with ``options``."""
+
+    def wrap(klass: type) -> type:
+        if not (isinstance(klass, type) and issubclass(klass, nn.Module)):
+            raise TypeError(f"@hydraulis decorates nn.Module classes, got {klass!r}")
+
+        def compiled(self: nn.Module) -> CompiledModel:
+            if "_hcompile" not in self.__dict__:
+                self.__dict__["_hcompile"] = CompiledModel(self, **options)
+            return self.__dict__["_hcompile"]
+
+        klass.hcompiled = property(compiled)
+        klass.packed = lambda self, input_ids, cu_seqlens: compiled(self).packed(input_ids, cu_seqlens)
+        return klass
+
+    return wrap(cls) if cls is not None else wrap

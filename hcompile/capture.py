@@ -1,0 +1,179 @@
+"""Capture: record a model's forward as one FX GraphModule through a torch.compile backend.
+
+Owns the recording backend and the normalisation of what dynamo hands it. Dynamo lifts parameters and
+buffers to graph inputs; capture turns those placeholders back into ``get_attr`` nodes named by their
+fully qualified names (``h.0.attn.c_attn.weight``) on a GraphModule whose root is the model, so the
+captured graph holds the model's own Parameter objects (gradients land on the model) and takes only the
+user's inputs. Every node keeps dynamo's fake value in ``meta["val"]`` for shape-aware passes.
+
+The capture is full-graph: a model that graph-breaks raises :class:`CaptureError` naming the break.
+``capture_joint`` runs aot_autograd over a captured graph to get the joint forward/backward graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+
+__all__ = ["CaptureError", "Captured", "capture", "capture_joint"]
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as one graph; the message names the break or the bad input."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Captured:
+    """One captured forward graph with the inputs it was recorded on."""
+
+    graph_module: fx.GraphModule
+    """The forward; its placeholders are the user inputs, parameters are ``get_attr`` nodes."""
+    example_inputs: tuple[torch.Tensor, ...]
+    """The user inputs (in placeholder order) the graph was recorded on."""
+    output_index: int
+    """Which graph output is the logits (the model's tensor result, or its ``.logits``)."""
+    param_names: tuple[str, ...]
+    """Fully qualified names of the parameters the graph reads, in first-use order."""
+
+
+def _recording_backend(store: list) -> Callable:
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if store:
+            raise CaptureError("the forward was captured as more than one graph")
+        record: dict[str, Any] = {"gm": gm, "inputs": list(example_inputs)}
+        store.append(record)
+
+        def run(*args: Any) -> Any:
+            outputs = gm.forward(*args)
+            record.setdefault("outputs", outputs)
+            return outputs
+
+        return run
+
+    return backend
+
+
+def _describe_break(exc: Exception) -> str:
+    """The break's reason, the user line that caused it and where it is."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    user = [i for i, ln in enumerate(lines) if ln.startswith("from user code:")]
+    tail = lines[user[-1] + 1: user[-1] + 3] if user else [ln for ln in lines if ln.startswith('File "')][-1:]
+    return f"{head} | {' '.join(tail)}" if tail else head
+
+
+def capture(model: nn.Module, *args: torch.Tensor) -> Captured:
+    """Record ``model(*args)`` as one normalised GraphModule; a graph break is a :class:`CaptureError`."""
+    store: list = []
+    compiled = torch.compile(model, backend=_recording_backend(store), fullgraph=True, dynamic=False)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+            user_out = compiled(*args)
+    except CaptureError:
+        raise
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+        raise CaptureError(f"{type(model).__name__} graph-breaks: {_describe_break(exc)}") from exc
+    except torch._dynamo.exc.TorchDynamoException as exc:
+        raise CaptureError(f"{type(model).__name__} graph-breaks: {_describe_break(exc)}") from exc
+    if not store:
+        raise CaptureError(f"{type(model).__name__}: dynamo produced no graph (was the forward already compiled?)")
+    record = store[0]
+    gm, names = _normalise(model, record["gm"], record["inputs"], args)
+    return Captured(
+        graph_module=gm,
+        example_inputs=tuple(args),
+        output_index=_output_index(record.get("outputs"), user_out),
+        param_names=names,
+    )
+
+
+def _output_index(graph_outputs: Any, user_out: Any) -> int:
+    target = user_out if isinstance(user_out, torch.Tensor) else getattr(user_out, "logits", None)
+    if target is None:
+        raise CaptureError(f"the model returned {type(user_out).__name__}: expected a tensor or an object with .logits")
+    for i, out in enumerate(graph_outputs or ()):
+        if out is target:
+            return i
+    raise CaptureError("the model's logits are not a graph output (computed outside the graph?)")
+
+
+def _normalise(
+    model: nn.Module, gm: fx.GraphModule, inputs: list, user_args: Sequence[torch.Tensor]
+) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """Placeholders for parameters/buffers become ``get_attr`` on the model; user inputs stay placeholders."""
+    by_id = {id(t): name for name, t in model.named_buffers(remove_duplicate=True)}
+    by_id.update({id(p): name for name, p in model.named_parameters(remove_duplicate=True)})
+    user_ids = {id(a) for a in user_args}
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise CaptureError(f"dynamo graph has {len(placeholders)} inputs but {len(inputs)} example inputs")
+    names: list[str] = []
+    consts: dict[str, torch.Tensor] = {}
+    for node, value in zip(placeholders, inputs):
+        node.meta["val"] = node.meta.get("example_value")
+        if id(value) in user_ids or not isinstance(value, torch.Tensor):
+            continue
+        if id(value) in by_id:
+            target = by_id[id(value)]
+            if isinstance(value, nn.Parameter):
+                names.append(target)
+        else:
+            target = f"_capture_const_{len(consts)}"
+            consts[target] = value
+        with graph.inserting_before(node):
+            attr = graph.create_node("get_attr", target)
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+    for node in graph.nodes:
+        if "val" not in node.meta and "example_value" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
+    tensors: dict[str, torch.Tensor] = {**dict(model.named_buffers()), **dict(model.named_parameters()), **consts}
+    root = nn.Module()
+    for name in [n.target for n in graph.nodes if n.op == "get_attr"]:
+        _set_path(root, name, tensors[name])
+    out = fx.GraphModule(root, graph, class_name=f"Captured{type(model).__name__}")
+    out.graph.lint()
+    return out, tuple(names)
+
+
+def _set_path(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def capture_joint(captured: Captured) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The aot_autograd forward and backward graphs (ATen level) of a captured forward."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def keep(name: str) -> Callable:
+        def compiler(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable:
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    gm = captured.graph_module
+    compiled = aot_module_simplified(gm, list(captured.example_inputs), fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    outs = compiled(*captured.example_inputs)
+    loss = sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    if "fw" not in graphs or "bw" not in graphs:
+        raise CaptureError("aot_autograd produced no backward graph (does the model have trainable parameters?)")
+    return graphs["fw"], graphs["bw"]

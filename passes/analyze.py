@@ -1,0 +1,325 @@
+"""Graph analysis: what each node of a captured forward is, and what the model costs.
+
+Owns the node classification (linear, attention, norm, elementwise, embedding, view, ...), the attention
+sites with their head counts, the per-token linear FLOPs, the per-sequence quadratic attention FLOPs and
+the parameter bytes of a captured graph (:func:`analyze_graph`), and the analytic
+:class:`passes.ir.CostModel` built from them and a :class:`Hardware` description
+(:func:`analytic_cost_model`). Works on torch-level graphs from capture, on fake or meta tensors, so a
+70B-shaped model can be analysed without allocating it. Reads ``meta["val"]`` of nodes for shapes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from passes.ir import CostModel, ParallelScheme, SchemeCost
+
+__all__ = [
+    "OpClass",
+    "AttentionSite",
+    "GraphAnalysis",
+    "Hardware",
+    "classify_node",
+    "attention_sites",
+    "analyze_graph",
+    "analytic_cost_model",
+    "node_flops",
+    "SDPA_TARGETS",
+]
+
+
+class OpClass(enum.Enum):
+    """What a node does, for cost and for the rewrites."""
+
+    INPUT = "input"
+    PARAM = "param"
+    OUTPUT = "output"
+    LINEAR = "linear"
+    ATTENTION = "attention"
+    NORM = "norm"
+    EMBEDDING = "embedding"
+    ELEMENTWISE = "elementwise"
+    VIEW = "view"
+    OTHER = "other"
+
+
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_LINEAR = (F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm)
+_NORM = (F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm)
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "split",
+                 "chunk", "expand", "flatten", "t"}
+_VIEW_FUNCTIONS = (torch.reshape, torch.transpose, torch.permute, torch.split, torch.chunk, torch.cat,
+                   torch.unsqueeze, torch.squeeze, torch.flatten, operator.getitem)
+_ELEMENTWISE_FUNCTIONS = (operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+                          torch.add, torch.mul, torch.rsqrt, torch.sqrt, torch.exp, torch.tanh, torch.sigmoid,
+                          F.gelu, F.silu, F.relu, F.dropout, torch.cos, torch.sin, torch.where)
+_ELEMENTWISE_METHODS = {"add", "mul", "pow", "float", "to", "type_as", "cos", "sin", "exp", "rsqrt", "sqrt",
+                        "neg", "tanh", "sigmoid", "mean", "sum", "half", "bfloat16", "masked_fill"}
+
+
+def _is_packed_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and "packed_attention" in str(getattr(node.target, "__name__", node.target))
+
+
+def _in_norm_module(node: fx.Node) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return False
+    _, mod_type = list(stack.values())[-1]
+    return "norm" in getattr(mod_type, "__name__", str(mod_type)).lower()
+
+
+def classify_node(node: fx.Node) -> OpClass:
+    """The class of one node of a torch-level graph."""
+    if node.op == "placeholder":
+        return OpClass.INPUT
+    if node.op == "get_attr":
+        return OpClass.PARAM
+    if node.op == "output":
+        return OpClass.OUTPUT
+    target = node.target
+    if node.op == "call_function":
+        if target in SDPA_TARGETS or _is_packed_attention(node):
+            return OpClass.ATTENTION
+        if target in _LINEAR:
+            return OpClass.LINEAR
+        if target in _NORM:
+            return OpClass.NORM
+        if target is F.embedding:
+            return OpClass.EMBEDDING
+        if target in _VIEW_FUNCTIONS:
+            return OpClass.VIEW
+        if target in _ELEMENTWISE_FUNCTIONS:
+            return OpClass.NORM if _in_norm_module(node) else OpClass.ELEMENTWISE
+    if node.op == "call_method":
+        if target in _VIEW_METHODS:
+            return OpClass.VIEW
+        if target in _ELEMENTWISE_METHODS:
+            return OpClass.NORM if _in_norm_module(node) else OpClass.ELEMENTWISE
+    return OpClass.OTHER
+
+
+def _val(node: object) -> torch.Tensor | None:
+    if isinstance(node, fx.Node):
+        val = node.meta.get("val", node.meta.get("example_value"))
+        return val if isinstance(val, torch.Tensor) else None
+    return None
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return str(path)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionSite:
+    """One attention call of the graph."""
+
+    node: str
+    """Name of the attention node."""
+    module: str
+    """Module path the call was made from ('' when unknown)."""
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads."""
+    head_dim: int
+    """Width of one head."""
+    causal: bool
+    """Whether the call is causal."""
+
+
+def attention_sites(gm: fx.GraphModule) -> tuple[AttentionSite, ...]:
+    """Every attention node with its head counts; q/k/v are (B, H, T, D) for SDPA, (T, H, D) when packed."""
+    sites = []
+    for node in gm.graph.nodes:
+        if classify_node(node) is not OpClass.ATTENTION:
+            continue
+        q, k = _val(node.args[0]), _val(node.args[1])
+        if q is None or k is None:
+            raise ValueError(f"attention node {node.name!r} has no shape metadata (run propagate_vals first)")
+        head_axis = -3 if node.target in SDPA_TARGETS else -2
+        causal = bool(node.kwargs.get("is_causal", node.kwargs.get("causal", False)))
+        sites.append(AttentionSite(node=node.name, module=_module_path(node), heads=int(q.shape[head_axis]),
+                                   kv_heads=int(k.shape[head_axis]), head_dim=int(q.shape[-1]), causal=causal))
+    return tuple(sites)
+
+
+def node_flops(node: fx.Node) -> tuple[float, float]:
+    """Forward (linear FLOPs per token, attention FLOPs per token^2 of one sequence) of one node."""
+    kind = classify_node(node)
+    if kind is OpClass.LINEAR:
+        w = _val(node.args[1])
+        if w is None:
+            return 0.0, 0.0
+        if node.target in (F.linear, torch._C._nn.linear):
+            return 2.0 * w.shape[0] * w.shape[1], 0.0
+        return 2.0 * w.shape[-2] * w.shape[-1], 0.0
+    if kind is OpClass.ATTENTION:
+        q = _val(node.args[0])
+        if q is None:
+            return 0.0, 0.0
+        head_axis = -3 if node.target in SDPA_TARGETS else -2
+        heads, head_dim = q.shape[head_axis], q.shape[-1]
+        causal = bool(node.kwargs.get("is_causal", node.kwargs.get("causal", False)))
+        # QK^T and PV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair; causal keeps half.
+        return 0.0, 4.0 * heads * head_dim * (0.5 if causal else 1.0)
+    return 0.0, 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphAnalysis:
+    """What a captured forward holds and costs."""
+
+    op_counts: tuple[tuple[str, int], ...]
+    """(op class value, node count), sorted by class."""
+    attention: tuple[AttentionSite, ...]
+    """Attention sites in graph order."""
+    linear_flops_per_token: float
+    """Forward FLOPs of all linears (matmuls with a weight) for one token."""
+    attention_flops_per_seq_sq: float
+    """Forward attention FLOPs of one sequence of length s, divided by s^2."""
+    param_bytes: int
+    """Bytes of the distinct parameters the graph reads."""
+    param_count: int
+    """Elements of the distinct parameters the graph reads."""
+    hidden: int
+    """Model width (query heads x head dim of the first attention site; 0 without attention)."""
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers, counted as attention sites."""
+        return len(self.attention)
+
+    def train_linear_flops_per_token(self) -> float:
+        """Forward + backward linear FLOPs per token (backward is twice the forward)."""
+        return 3.0 * self.linear_flops_per_token
+
+    def describe(self) -> str:
+        """Stable one-line summary."""
+        counts = ",".join(f"{k}={v}" for k, v in self.op_counts)
+        return (f"layers={self.layers} hidden={self.hidden} params={self.param_count} "
+                f"linear_flops/token={self.linear_flops_per_token:.4g} "
+                f"attn_flops/seq^2={self.attention_flops_per_seq_sq:.4g} ops[{counts}]")
+
+
+def _params(gm: fx.GraphModule) -> Iterable[torch.Tensor]:
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            tensor = gm.get_parameter(node.target)
+        except AttributeError:
+            continue  # a buffer or constant, not a parameter
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
+def analyze_graph(gm: fx.GraphModule) -> GraphAnalysis:
+    """Classify every node and total the FLOPs and parameter bytes of ``gm``."""
+    counts: dict[str, int] = {}
+    linear = attn = 0.0
+    for node in gm.graph.nodes:
+        kind = classify_node(node)
+        counts[kind.value] = counts.get(kind.value, 0) + 1
+        lf, af = node_flops(node)
+        linear += lf
+        attn += af
+    params = list(_params(gm))
+    sites = attention_sites(gm)
+    return GraphAnalysis(
+        op_counts=tuple(sorted(counts.items())),
+        attention=sites,
+        linear_flops_per_token=linear,
+        attention_flops_per_seq_sq=attn,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        param_count=sum(p.numel() for p in params),
+        hidden=sites[0].heads * sites[0].head_dim if sites else 0,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hardware:
+    """One accelerator kind, as the analytic cost model needs it."""
+
+    name: str
+    """E.g. ``a800-80g``."""
+    peak_tflops: float
+    """Dense matmul peak of one device, TFLOP/s, in the training dtype."""
+    linear_efficiency: float = 0.75
+    """Fraction of peak the linears reach."""
+    attention_efficiency: float = 0.4
+    """Fraction of peak varlen attention reaches."""
+    memory_gib: float = 80.0
+    """Device memory."""
+    reserved_gib: float = 15.0
+    """Memory not available to the model (framework, fragmentation, safety)."""
+    link_gbps: float = 200.0
+    """Intra-node all-reduce bus bandwidth, GB/s."""
+    activation_bytes: float = 36.0
+    """Activation bytes kept per (token x hidden x layer) per TP rank."""
+    state_bytes_per_param: float = 16.0
+    """Weights, gradients and optimiser states per parameter (mixed precision Adam)."""
+    dtype_bytes: int = 2
+    """Bytes of one activation element on the wire."""
+    fixed_ms_per_layer: float = 1.5
+    """Per-layer overhead of one micro-batch (launches, synchronisation)."""
+    gpus_per_node: int = 8
+    """Devices in one node."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "linear_efficiency", "attention_efficiency", "memory_gib", "link_gbps",
+                     "activation_bytes", "state_bytes_per_param"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ValueError(f"hardware {name} must be a finite number > 0, got {value!r}")
+        if self.linear_efficiency > 1 or self.attention_efficiency > 1:
+            raise ValueError(f"efficiencies must be <= 1, got {self.linear_efficiency!r}, {self.attention_efficiency!r}")
+
+    @classmethod
+    def a800(cls) -> "Hardware":
+        """NVIDIA A800 80GB, bf16 (312 TFLOP/s dense), NVLink 200 GB/s."""
+        return cls(name="a800-80g", peak_tflops=312.0)
+
+
+def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme) -> SchemeCost:
+    gpus = scheme.tp * scheme.pp
+    flops_ms = hw.peak_tflops * 1e12 / 1e3  # FLOPs per ms
+    layers, hidden = max(an.layers, 1), max(an.hidden, 1)
+    b = 3.0 * an.linear_flops_per_token / gpus / (flops_ms * hw.linear_efficiency)
+    # Megatron TP: 2 all-reduces per layer forward and 2 backward, ring cost 2(tp-1)/tp of the message.
+    ring = 2.0 * (scheme.tp - 1) / scheme.tp
+    b += 4.0 * layers / scheme.pp * ring * hidden * hw.dtype_bytes / (hw.link_gbps * 1e9 / 1e3)
+    a = 3.0 * an.attention_flops_per_seq_sq / gpus / (flops_ms * hw.attention_efficiency)
+    c = hw.fixed_ms_per_layer * layers / scheme.pp
+    states = an.param_count * hw.state_bytes_per_param / gpus
+    free = (hw.memory_gib - hw.reserved_gib) * 2**30 - states
+    per_token = layers * hidden / scheme.tp * hw.activation_bytes
+    max_tokens = max(0, int(free // per_token) // 128 * 128) if free > 0 else 0
+    return SchemeCost(scheme=scheme, a=a, b=b, c=c, max_tokens=max_tokens)
+
+
+def analytic_cost_model(
+    analysis: GraphAnalysis, hardware: Hardware, schemes: Sequence[ParallelScheme], *, name: str | None = None
+) -> CostModel:
+    """A :class:`CostModel` from FLOP counts and hardware peaks: ``T(s) = a s^2 + b s + c`` per stage."""
+    if not schemes:
+        raise ValueError("analytic_cost_model needs at least one scheme, got none")
+    return CostModel(
+        name=name or f"analytic@{hardware.name}",
+        entries=tuple(_scheme_cost(analysis, hardware, s) for s in schemes),
+        gpus_per_node=hardware.gpus_per_node,
+    )

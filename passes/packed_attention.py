@@ -1,0 +1,129 @@
+"""Packed attention: rewrite a batch-1 forward into one that runs n whole sequences packed along tokens.
+
+Owns ``rewrite_packed_attention_pass``. On a graph captured with input (1, T):
+
+- every causal ``scaled_dot_product_attention(q, k, v)`` with q (1, H, T, D) becomes
+  ``codegen.packed_attention(q', k', v', cu_seqlens, max_seqlen)`` with q' (T, H, D), so no token attends
+  across a sequence boundary (grouped-query attention passes through: the op takes fewer kv heads);
+- every position construction ``torch.arange(T)`` becomes :func:`packed_positions` (each token's index
+  inside its own sequence), so learned absolute positions and RoPE both restart at every sequence;
+- ``cu_seqlens`` (int32, n+1) and ``max_seqlen`` become new graph inputs, after the user's inputs.
+
+A non-causal call, an attention mask, dropout or a batch other than 1 is out of scope and an error that
+names the node and its module; a graph with no attention at all is an error too. A graph already packed
+is returned unchanged. Option ``packed_attention.backend`` picks the op's backend (default "auto").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+import codegen
+from passes.analyze import SDPA_TARGETS
+from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
+
+__all__ = ["rewrite_packed_attention_pass", "packed_positions", "find_position_aranges"]
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """(total,) index of every token inside its own sequence; ``cu_seqlens[-1]`` must equal ``total``."""
+    offsets = cu_seqlens.to(torch.long)
+    token = torch.arange(total, device=cu_seqlens.device)  # (T,)
+    seq = torch.searchsorted(offsets[1:], token, right=True)  # (T,) sequence of each token
+    return (token - offsets[seq]).to(dtype)
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = list(stack.values())[-1][0] if stack else "<top>"
+    return f"node {node.name!r} (module {module!r})"
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _check_sdpa(node: fx.Node) -> None:
+    kw = dict(node.kwargs)
+    extra = dict(zip(("attn_mask", "dropout_p", "is_causal"), node.args[3:]))
+    kw.update(extra)
+    if kw.get("attn_mask") is not None:
+        raise PassError(f"packed attention: {_where(node)} passes an attention mask; only is_causal=True is supported")
+    if kw.get("dropout_p", 0.0) not in (0, 0.0):
+        raise PassError(f"packed attention: {_where(node)} uses attention dropout {kw['dropout_p']!r}; not supported")
+    if kw.get("is_causal") is not True:
+        raise PassError(f"packed attention: {_where(node)} is not causal; only is_causal=True is supported")
+    q = _val(node.args[0])
+    if q is None or q.dim() != 4 or q.shape[0] != 1:
+        shape = None if q is None else tuple(q.shape)
+        raise PassError(f"packed attention: {_where(node)} has q of shape {shape}; expected (1, heads, tokens, dim)")
+
+
+def find_position_aranges(gm: fx.GraphModule, total: int) -> list[fx.Node]:
+    """``torch.arange`` nodes that build positions 0..total-1 (the token axis of a batch-1 graph)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.arange:
+            continue
+        args = list(node.args)
+        start, end, step = (0, args[0], 1) if len(args) == 1 else (args + [1])[:3]
+        start, step = node.kwargs.get("start", start), node.kwargs.get("step", step)
+        if start == 0 and step == 1 and end == total:
+            found.append(node)
+    return found
+
+
+def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    return graph.call_method("transpose", (graph.call_method("squeeze", (x, 0)), 0, 1))  # (1,H,T,D) -> (T,H,D)
+
+
+def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, backend: str) -> None:
+    q, k, v = node.args[:3]
+    scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+    with graph.inserting_before(node):
+        q3, k3, v3 = (_to_packed(graph, x) for x in (q, k, v))
+        out = graph.call_function(codegen.packed_attention, (q3, k3, v3, cu_seqlens, max_seqlen),
+                                  {"causal": True, "softmax_scale": scale, "backend": backend})
+        out4 = graph.call_method("unsqueeze", (graph.call_method("transpose", (out, 0, 1)), 0))  # (T,H,D)->(1,H,T,D)
+    out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    node.replace_all_uses_with(out4)
+    graph.erase_node(node)
+
+
+def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """SDPA -> ``codegen.packed_attention`` and arange positions -> per-sequence positions."""
+    graph = gm.graph
+    sdpa = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+    already = [n for n in graph.nodes if n.op == "call_function" and n.target is codegen.packed_attention]
+    if not sdpa:
+        if already:
+            return PassResult(graph_module=gm, modified=False)
+        raise PassError(f"packed attention: no scaled_dot_product_attention call found in {type(gm).__name__}; "
+                        "the model's attention must call F.scaled_dot_product_attention")
+    for node in sdpa:
+        _check_sdpa(node)
+    total = int(_val(sdpa[0].args[0]).shape[2])
+    device = _val(sdpa[0].args[0]).device
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        max_seqlen = graph.placeholder("max_seqlen", type_expr=int)
+    with graph.inserting_after(placeholders[-1]):
+        cu_seqlens = graph.placeholder("cu_seqlens", type_expr=torch.Tensor)
+    for node in sdpa:
+        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("packed_attention.backend", "auto"))
+    aranges = find_position_aranges(gm, total)
+    for node in aranges:
+        dtype = node.kwargs.get("dtype") or torch.long
+        with graph.inserting_before(node):
+            pos = graph.call_function(packed_positions, (cu_seqlens, total), {"dtype": dtype})
+        node.replace_all_uses_with(pos)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    inputs = [n.meta.get("val") for n in placeholders]
+    propagate_vals(gm, inputs + [torch.tensor([0, total], dtype=torch.int32, device=device), total])
+    return PassResult(graph_module=gm, modified=True,
+                      info={"attention_sites": len(sdpa), "positions": len(aranges), "tokens": total})

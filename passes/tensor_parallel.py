@@ -1,0 +1,430 @@
+"""Tensor parallelism: decide how a captured forward is split over tp ranks, then rewrite it for one rank.
+
+Owns the decision (:func:`decide_tensor_parallel`, a pure function of the graph, tp and rank, returning a
+:class:`TensorParallelPlan`) and the rewrite (``shard_tensor_parallel_pass``), Megatron style:
+
+- linears fed by a replicated tensor are column-parallel (output features split; a fused projection that
+  is ``split`` afterwards is split chunk by chunk), linears fed by a split tensor are row-parallel
+  (input features split, followed by an all-reduce); the last linear before the output (the LM head)
+  and the embeddings stay replicated;
+- attention heads are split: query heads must divide by tp; key/value heads are split when they divide
+  by tp, replicated (each rank keeps the kv head its query heads use) when tp divides them, else error;
+- ``tp_copy`` (backward all-reduce) is inserted before column-parallel inputs and ``tp_all_reduce``
+  (forward all-reduce) after row-parallel outputs, so replicated parameters get full gradients;
+- reshape/view/split constants are rewritten by sharding propagation (:mod:`passes.sharding`).
+
+The rewritten module holds only this rank's slice of each parameter; :class:`ParamSlice` declares, per
+parameter, which slice of the full tensor it expects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from passes.analyze import OpClass, SDPA_TARGETS, attention_sites, classify_node
+from passes.collectives import TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE
+from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
+from passes.sharding import Shard, propagate_node, where
+
+__all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "shard_tensor_parallel_pass"]
+
+_LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+class LinearRole(enum.Enum):
+    """How one linear is split."""
+
+    COLUMN = "column"
+    ROW = "row"
+    REPLICATED = "replicated"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSlice:
+    """Which part of a full parameter one rank holds: blocks ``ranges`` of dim ``dim`` (None: all of it)."""
+
+    name: str
+    """Fully qualified parameter name (the ``get_attr`` target of the captured graph)."""
+    full_shape: tuple[int, ...]
+    """Shape of the whole parameter."""
+    dim: int | None = None
+    """The split dim; None when replicated."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """(start, stop) blocks of ``dim``, concatenated in order."""
+    shared_by: int = 1
+    """How many ranks hold this same slice (replicated kv heads); their gradients are summed."""
+
+    def __post_init__(self) -> None:
+        if self.dim is not None:
+            size = self.full_shape[self.dim]
+            if not self.ranges or any(not 0 <= a < b <= size for a, b in self.ranges):
+                raise PassError(f"slice of {self.name!r}: bad ranges {self.ranges!r} for dim of size {size}")
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of the slice."""
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = sum(b - a for a, b in self.ranges)
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``full`` (a new tensor when split)."""
+        if tuple(full.shape) != self.full_shape:
+            raise PassError(f"parameter {self.name!r}: expected shape {self.full_shape}, got {tuple(full.shape)}")
+        if self.dim is None:
+            return full
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges], dim=self.dim)
+
+    def describe(self) -> str:
+        """E.g. ``h.0.attn.c_attn.weight[0:16,64:80,128:144 of dim 0]``."""
+        if self.dim is None:
+            return f"{self.name}[replicated]"
+        blocks = ",".join(f"{a}:{b}" for a, b in self.ranges)
+        shared = f" shared by {self.shared_by}" if self.shared_by > 1 else ""
+        return f"{self.name}[{blocks} of dim {self.dim}{shared}]"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Chunk:
+    size: int
+    parts: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorParallelPlan:
+    """One rank's tensor-parallel decisions for one graph."""
+
+    tp: int
+    """Tensor-parallel degree."""
+    rank: int
+    """This rank's index in the group."""
+    roles: tuple[tuple[str, LinearRole], ...]
+    """(linear node name, role) in graph order."""
+    chunks: tuple[tuple[str, tuple[_Chunk, ...]], ...]
+    """Per column-parallel linear: its output chunks and which part of each this rank holds."""
+    params: tuple[ParamSlice, ...]
+    """Every parameter the graph reads, with this rank's slice."""
+
+    def role(self, node: str) -> LinearRole:
+        """The role of linear ``node``."""
+        return dict(self.roles)[node]
+
+    def local_chunks(self, node: str) -> list[int] | None:
+        """Local sizes of a column-parallel linear's chunks (None for other nodes)."""
+        chunks = dict(self.chunks).get(node)
+        return None if chunks is None else [c.size // c.parts for c in chunks]
+
+    def param(self, name: str) -> ParamSlice:
+        """The slice of parameter ``name``."""
+        return next(p for p in self.params if p.name == name)
+
+    def describe(self) -> str:
+        """Stable multi-line text: roles then slices."""
+        lines = [f"tp={self.tp} rank={self.rank}"]
+        lines += [f"  {name}: {role.value}" for name, role in self.roles]
+        lines += [f"  {p.describe()}" for p in self.params]
+        return "\n".join(lines)
+
+
+def _is_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _LINEAR_TARGETS
+
+
+def _reaches_output_directly(node: fx.Node) -> bool:
+    """True when some path from ``node`` reaches the output without another linear or attention."""
+    stack, seen = list(node.users), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        if _is_linear(n) or classify_node(n) is OpClass.ATTENTION:
+            continue
+        stack.extend(n.users)
+    return False
+
+
+def _decide_roles(gm: fx.GraphModule) -> dict[str, LinearRole]:
+    split: dict[fx.Node, bool] = {}
+    roles: dict[str, LinearRole] = {}
+    for node in gm.graph.nodes:
+        if _is_linear(node):
+            if split.get(node.args[0], False):
+                roles[node.name], split[node] = LinearRole.ROW, False
+            elif _reaches_output_directly(node):
+                roles[node.name], split[node] = LinearRole.REPLICATED, False
+            else:
+                roles[node.name], split[node] = LinearRole.COLUMN, True
+        else:
+            split[node] = any(split.get(a, False) for a in node.all_input_nodes)
+    return roles
+
+
+def _kv_parts(gm: fx.GraphModule, tp: int) -> dict[str, int]:
+    """Per attention node: how many parts its kv heads are cut into (tp, or kv_heads when replicated)."""
+    parts = {}
+    for site in attention_sites(gm):
+        if site.heads % tp:
+            raise PassError(f"tensor parallel: attention {site.node!r} (module {site.module!r}) has {site.heads} "
+                            f"query heads, not divisible by tp={tp}")
+        if site.kv_heads % tp == 0:
+            parts[site.node] = tp
+        elif tp % site.kv_heads == 0:
+            parts[site.node] = site.kv_heads
+        else:
+            raise PassError(f"tensor parallel: attention {site.node!r} (module {site.module!r}) has {site.kv_heads} "
+                            f"key/value heads: neither divisible by tp={tp} nor replicable (tp not a multiple)")
+    return parts
+
+
+def _feeds_kv(start: fx.Node) -> str | None:
+    """The attention node whose k or v ``start`` feeds (through non-linear ops), if any."""
+    stack, seen = [(start, n) for n in start.users], set()
+    while stack:
+        prev, n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if classify_node(n) is OpClass.ATTENTION:
+            if prev in n.args[1:3]:
+                return n.name
+            continue
+        if not _is_linear(n):
+            stack.extend((n, u) for u in n.users)
+    return None
+
+
+def _split_dim(split: fx.Node) -> int:
+    ndim = len(split.args[0].meta["val"].shape)
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    return dim - ndim if dim >= 0 else dim
+
+
+def _chunks(node: fx.Node, tp: int, rank: int, kv_parts: dict[str, int]) -> tuple[_Chunk, ...]:
+    out_features = int(node.args[1].meta["val"].shape[0])
+    users = list(node.users)
+    heads = [node]
+    sizes = [out_features]
+    if len(users) == 1 and users[0].target in ("split", torch.split) and _split_dim(users[0]) == -1:
+        split = users[0]
+        sizes = [int(v.shape[-1]) for v in split.meta["val"]]
+        getitems = {u.args[1]: u for u in split.users}
+        heads = [getitems.get(i) for i in range(len(sizes))]
+    chunks = []
+    for size, head in zip(sizes, heads):
+        site = _feeds_kv(head) if head is not None else None
+        parts = kv_parts.get(site, tp) if site else tp
+        if size % parts:
+            raise PassError(f"tensor parallel: {where(node)} has an output chunk of {size} features, "
+                            f"not divisible into {parts} parts")
+        chunks.append(_Chunk(size=size, parts=parts, index=rank * parts // tp))
+    if len(chunks) > 1 and any(c.parts != tp for c in chunks):
+        raise PassError(f"tensor parallel: {where(node)} is a fused projection with replicated kv heads; "
+                        "use separate k/v projections or kv heads divisible by tp")
+    return tuple(chunks)
+
+
+def _column_ranges(chunks: tuple[_Chunk, ...]) -> tuple[tuple[int, int], ...]:
+    ranges, offset = [], 0
+    for c in chunks:
+        width = c.size // c.parts
+        ranges.append((offset + c.index * width, offset + (c.index + 1) * width))
+        offset += c.size
+    return tuple(ranges)
+
+
+def _param_name(node: Any) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int) -> TensorParallelPlan:
+    """Roles of the linears, chunking of column outputs and the slice of every parameter, for one rank."""
+    if tp < 1 or not 0 <= rank < tp:
+        raise PassError(f"tensor parallel: need 0 <= rank < tp, got rank={rank!r} tp={tp!r}")
+    kv_parts = _kv_parts(gm, tp)
+    roles = _decide_roles(gm)
+    chunks: dict[str, tuple[_Chunk, ...]] = {}
+    slices: dict[str, ParamSlice] = {}
+    for node in gm.graph.nodes:
+        if not _is_linear(node):
+            continue
+        weight, bias = _param_name(node.args[1]), _param_name(node.args[2] if len(node.args) > 2 else None)
+        if weight is None:
+            raise PassError(f"tensor parallel: {where(node)}: the weight is computed, not a parameter")
+        shape = tuple(node.args[1].meta["val"].shape)
+        role = roles[node.name]
+        new: dict[str, ParamSlice] = {}
+        if role is LinearRole.COLUMN:
+            chunks[node.name] = c = _chunks(node, tp, rank, kv_parts)
+            shared = tp // c[0].parts
+            new[weight] = ParamSlice(name=weight, full_shape=shape, dim=0, ranges=_column_ranges(c), shared_by=shared)
+            if bias:
+                new[bias] = ParamSlice(name=bias, full_shape=shape[:1], dim=0, ranges=_column_ranges(c),
+                                       shared_by=shared)
+        elif role is LinearRole.ROW:
+            width = shape[1] // tp
+            new[weight] = ParamSlice(name=weight, full_shape=shape, dim=1, ranges=((rank * width, (rank + 1) * width),))
+        for name, sl in new.items():
+            if slices.get(name, sl) != sl:
+                raise PassError(f"tensor parallel: parameter {name!r} is used by linears split differently")
+            slices[name] = sl
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in slices and _is_param(gm, node.target):
+            slices[node.target] = ParamSlice(name=node.target, full_shape=tuple(node.meta["val"].shape))
+    return TensorParallelPlan(tp=tp, rank=rank, roles=tuple(roles.items()), chunks=tuple(chunks.items()),
+                              params=tuple(slices.values()))
+
+
+def _set_attr(root: nn.Module, name: str, value: torch.Tensor, as_param: bool, requires_grad: bool = True) -> None:
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if as_param:
+        mod.register_parameter(leaf, nn.Parameter(value.detach().clone(), requires_grad=requires_grad))
+    else:
+        mod.register_buffer(leaf, value)
+
+
+class _Rewriter:
+    """Builds one rank's graph from the captured graph and a plan, node by node."""
+
+    def __init__(self, gm: fx.GraphModule, plan: TensorParallelPlan, group: str) -> None:
+        self.gm, self.plan, self.group = gm, plan, group
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.specs: dict[fx.Node, Any] = {}
+        self.copies: dict[fx.Node, fx.Node] = {}
+        self.sharded_params: set[fx.Node] = set()
+
+    def new(self, op: str, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
+        node = self.graph.create_node(op, target, fx.node.map_arg(args, self.env.__getitem__),
+                                      fx.node.map_arg(kwargs or {}, self.env.__getitem__),
+                                      name=like.name if like is not None else None)
+        if like is not None:
+            node.meta.update({k: v for k, v in like.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        return node
+
+    def run(self) -> fx.GraphModule:
+        for node in self.gm.graph.nodes:
+            self.env[node] = self.visit(node)
+        out = fx.GraphModule(self.root, self.graph, class_name=f"TP{self.plan.tp}Rank{self.plan.rank}Module")
+        inputs = [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return propagate_vals(out, inputs)
+
+    def visit(self, node: fx.Node) -> fx.Node:
+        if node.op == "placeholder":
+            new = self.graph.placeholder(node.name, type_expr=node.type)
+            new.meta.update(node.meta)
+            return new
+        if node.op == "get_attr":
+            return self.get_attr(node)
+        if node.op == "output":
+            for a in node.all_input_nodes:
+                if self.specs.get(a) is not None:
+                    raise PassError(f"tensor parallel: graph output {where(a)} is still split over ranks")
+            return self.new("output", "output", node.args)
+        if any(a in self.sharded_params for a in node.all_input_nodes) and not _is_linear(node):
+            raise PassError(f"tensor parallel: {where(node)} uses a split parameter outside its linear")
+        if _is_linear(node):
+            return self.linear(node)
+        if classify_node(node) is OpClass.ATTENTION:
+            return self.attention(node)
+        spec, args, kwargs = propagate_node(node, self.specs, node.args, lambda n: self.plan.local_chunks(n.name))
+        self.specs[node] = spec
+        return self.new(node.op, node.target, args, kwargs, like=node)
+
+    def get_attr(self, node: fx.Node) -> fx.Node:
+        full = self.gm.get_parameter(node.target) if _is_param(self.gm, node.target) else None
+        if full is None:
+            _set_attr(self.root, node.target, _fetch(self.gm, node.target), as_param=False)
+            return self.new("get_attr", node.target, (), like=node)
+        sl = self.plan.param(node.target)
+        _set_attr(self.root, node.target, sl.take(full.detach()), as_param=True, requires_grad=full.requires_grad)
+        new = self.new("get_attr", node.target, (), like=node)
+        if sl.dim is not None:
+            self.sharded_params.add(node)
+        if sl.shared_by > 1:
+            index = self.plan.rank // sl.shared_by
+            new = self.graph.call_function(TP_GRAD_SHARE, (new, self.group, self.plan.tp // sl.shared_by, index))
+        return new
+
+    def linear(self, node: fx.Node) -> fx.Node:
+        role = self.plan.role(node.name)
+        x = node.args[0]
+        spec = self.specs.get(x)
+        ndim = len(x.meta["val"].shape)
+        if role is LinearRole.COLUMN:
+            if spec is not None:
+                raise PassError(f"tensor parallel: column-parallel {where(node)} has a split input")
+            if x not in self.copies:
+                self.copies[x] = self.graph.call_function(TP_COPY, (self.env[x], self.group))
+            new = self.new("call_function", node.target, node.args, like=node)
+            new.update_arg(0, self.copies[x])
+            local = sum(self.plan.local_chunks(node.name))
+            self.specs[node] = Shard(dim=ndim - 1, frac=Fraction(local, int(node.meta["val"].shape[-1])))
+            return new
+        if role is LinearRole.ROW:
+            if spec != Shard(dim=ndim - 1, frac=Fraction(1, self.plan.tp)):
+                raise PassError(f"tensor parallel: row-parallel {where(node)} expects its input split 1/tp along "
+                                f"the last dim, got {spec}")
+            bias = node.args[2] if len(node.args) > 2 else None
+            partial = self.new("call_function", node.target, (x, node.args[1], None), like=node)
+            reduced = self.graph.call_function(TP_ALL_REDUCE, (partial, self.group))
+            self.specs[node] = None
+            return reduced if bias is None else self.graph.call_function(
+                torch.add, (reduced, self.env[bias]))
+        if spec is not None:
+            raise PassError(f"tensor parallel: replicated {where(node)} (the LM head) has a split input")
+        self.specs[node] = None
+        return self.new("call_function", node.target, node.args, node.kwargs, like=node)
+
+    def attention(self, node: fx.Node) -> fx.Node:
+        head_axis = 1
+        specs = [self.specs.get(a) for a in node.args[:3]]
+        if any(s is None or s.dim != head_axis for s in specs):
+            raise PassError(f"tensor parallel: {where(node)} expects q, k, v split by heads, got {specs}")
+        self.specs[node] = specs[0]
+        return self.new(node.op, node.target, node.args, node.kwargs, like=node)
+
+
+def _is_param(gm: fx.GraphModule, name: str) -> bool:
+    try:
+        gm.get_parameter(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _fetch(gm: fx.GraphModule, name: str) -> torch.Tensor:
+    obj: Any = gm
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def shard_tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Rewrite ``gm`` into rank ``ctx.tp_rank``'s part of a ``ctx.scheme.tp``-way tensor-parallel forward."""
+    tp = ctx.scheme.tp
+    already = any(n.op == "call_function" and n.target in (TP_ALL_REDUCE, TP_COPY) for n in gm.graph.nodes)
+    if tp == 1 or already:
+        return PassResult(graph_module=gm, modified=False)
+    if "val" not in next(iter(gm.graph.nodes)).meta:
+        propagate_vals(gm)
+    plan = decide_tensor_parallel(gm, tp, ctx.tp_rank)
+    out = _Rewriter(gm, plan, ctx.tp_group).run()
+    return PassResult(graph_module=out, modified=True, info={"plan": plan})

@@ -1,0 +1,73 @@
+"""Capture: one normalised graph per forward, equal to eager; graph breaks and bad outputs are named."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from hcompile.capture import CaptureError, capture, capture_joint
+from hcompile.models import GPT, Llama, init_weights_
+
+
+@pytest.mark.parametrize("model_cls", [GPT, Llama])
+def test_capture_matches_eager_and_keeps_parameters(model_cls):
+    model = init_weights_(model_cls())
+    ids = torch.randint(0, 96, (2, 9))
+    cap = capture(model, ids)
+    gm = cap.graph_module
+    assert [n.op for n in gm.graph.nodes].count("placeholder") == 1
+    torch.testing.assert_close(gm(ids)[cap.output_index], model(ids), rtol=0, atol=0)
+    # parameters are the model's own objects: gradients land on the model
+    first = cap.param_names[0]
+    assert gm.get_parameter(first) is model.get_parameter(first)
+    assert set(cap.param_names) == {n for n, _ in model.named_parameters()}
+
+
+class _Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:  # data-dependent Python control flow: a graph break
+            y = y * 2
+        return y
+
+
+def test_graph_break_is_an_error_naming_the_break():
+    with pytest.raises(CaptureError, match=r"_Breaks graph-breaks: .*item"):
+        capture(_Breaks(), torch.randn(2, 4))
+
+
+@dataclass
+class _Out:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class _ObjectOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return _Out(logits=h * 3, aux=h.sum())
+
+
+def test_output_object_with_logits_is_found():
+    model = _ObjectOut()
+    x = torch.randn(3, 4)
+    cap = capture(model, x)
+    torch.testing.assert_close(cap.graph_module(x)[cap.output_index], model(x).logits)
+
+
+def test_capture_joint_gives_forward_and_backward_graphs():
+    model = init_weights_(GPT())
+    cap = capture(model, torch.randint(0, 96, (1, 8)))
+    fw, bw = capture_joint(cap)
+    targets = {str(n.target) for n in fw.graph.nodes if n.op == "call_function"}
+    assert any("scaled_dot_product" in t for t in targets)
+    assert any(n.op == "call_function" for n in bw.graph.nodes)

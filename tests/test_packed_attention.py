@@ -1,0 +1,133 @@
+"""Packed attention rewrite: golden graph, equality with per-sequence eager (forward and gradients), errors."""
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import hcompile
+from hcompile.models import GPT, Llama, init_weights_
+from passes.packed_attention import packed_positions, rewrite_packed_attention_pass
+from passes.pass_runner import PassContext, PassError, propagate_vals, run_passes
+from passes.variant import TokenBuckets
+
+
+def _hand_built(**sdpa_kwargs) -> fx.GraphModule:
+    """x (1, 6, 32) + arange(6) positions -> 2 heads of 16 -> causal SDPA, as capture would record it."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    pos = g.call_function(torch.arange, (6,))
+    pos3 = g.call_function(operator.getitem, (pos, (None, slice(None), None)))
+    view = g.call_method("view", (g.call_function(operator.add, (x, pos3)), 1, 6, 2, 16))
+    q = g.call_method("transpose", (view, 1, 2))
+    g.output(g.call_function(F.scaled_dot_product_attention, (q, q, q), sdpa_kwargs or {"is_causal": True}))
+    gm = fx.GraphModule(nn.Module(), g)
+    propagate_vals(gm, [torch.randn(1, 6, 32)])
+    return gm
+
+
+def _eager(x):
+    q = (x + torch.arange(x.shape[1])[None, :, None]).view(1, x.shape[1], 2, 16).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+GOLDEN = """\
+graph():
+    %x : [num_users=1] = placeholder[target=x]
+    %cu_seqlens : torch.Tensor [num_users=2] = placeholder[target=cu_seqlens]
+    %max_seqlen : int [num_users=1] = placeholder[target=max_seqlen]
+    %packed_positions : [num_users=1] = call_function[target=passes.packed_attention.packed_positions](args = (%cu_seqlens, 6), kwargs = {dtype: torch.int64})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%packed_positions, (None, slice(None, None, None), None)), kwargs = {})
+    %add : [num_users=1] = call_function[target=operator.add](args = (%x, %getitem), kwargs = {})
+    %view : [num_users=1] = call_method[target=view](args = (%add, 1, 6, 2, 16), kwargs = {})
+    %transpose : [num_users=3] = call_method[target=transpose](args = (%view, 1, 2), kwargs = {})
+    %squeeze : [num_users=1] = call_method[target=squeeze](args = (%transpose, 0), kwargs = {})
+    %transpose_1 : [num_users=1] = call_method[target=transpose](args = (%squeeze, 0, 1), kwargs = {})
+    %squeeze_1 : [num_users=1] = call_method[target=squeeze](args = (%transpose, 0), kwargs = {})
+    %transpose_2 : [num_users=1] = call_method[target=transpose](args = (%squeeze_1, 0, 1), kwargs = {})
+    %squeeze_2 : [num_users=1] = call_method[target=squeeze](args = (%transpose, 0), kwargs = {})
+    %transpose_3 : [num_users=1] = call_method[target=transpose](args = (%squeeze_2, 0, 1), kwargs = {})
+    %packed_attention : [num_users=1] = call_function[target=codegen.op.packed_attention](args = (%transpose_1, %transpose_2, %transpose_3, %cu_seqlens, %max_seqlen), kwargs = {causal: True, softmax_scale: None, backend: auto})
+    %transpose_4 : [num_users=1] = call_method[target=transpose](args = (%packed_attention, 0, 1), kwargs = {})
+    %unsqueeze : [num_users=1] = call_method[target=unsqueeze](args = (%transpose_4, 0), kwargs = {})
+    return unsqueeze"""
+
+
+def test_golden_graph_on_a_hand_built_graph():
+    gm = _hand_built()
+    out, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+    assert records[0].modified and records[0].info == {"attention_sites": 1, "positions": 1, "tokens": 6}
+    assert str(out.graph).strip() == GOLDEN
+    x = torch.randn(1, 6, 32)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    expected = torch.cat([_eager(x[:, :2]), _eager(x[:, 2:])], dim=2)
+    torch.testing.assert_close(out(x, cu, 4), expected)
+
+
+def test_already_packed_graph_is_returned_unchanged():
+    gm, _ = run_passes(_hand_built(), [rewrite_packed_attention_pass], PassContext())
+    again, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+    assert again is gm and records[0].modified is False
+
+
+def test_packed_positions_restart_per_sequence():
+    cu = torch.tensor([0, 3, 3, 5, 9], dtype=torch.int32)
+    assert packed_positions(cu, 9).tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+
+
+def _no_attention() -> fx.GraphModule:
+    gm = fx.symbolic_trace(lambda x: x * 2)
+    propagate_vals(gm, [torch.randn(1, 6, 32)])
+    return gm
+
+
+@pytest.mark.parametrize("build, message", [
+    (_no_attention, "no scaled_dot_product_attention call found"),
+    (lambda: _hand_built(is_causal=False), "node 'scaled_dot_product_attention' .* is not causal"),
+    (lambda: _hand_built(is_causal=True, dropout_p=0.1), "node 'scaled_dot_product_attention' .* dropout 0.1"),
+])
+def test_out_of_scope_is_a_named_error(build, message):
+    with pytest.raises(PassError, match=message):
+        rewrite_packed_attention_pass(build(), PassContext())
+
+
+def _packed_batch(lens, vocab=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lens),), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, cu
+
+
+@pytest.mark.parametrize("model_cls", [GPT, Llama])
+@pytest.mark.parametrize("buckets", [None, TokenBuckets(sizes=(16, 32))])
+def test_packed_equals_per_sequence_eager_forward_and_gradients(model_cls, buckets):
+    lens = [5, 1, 9, 3, 7]
+    ids, cu = _packed_batch(lens)
+    model = init_weights_(model_cls())
+    compiled = hcompile.compile(model, buckets=buckets)
+    targets = ids.roll(-1)
+    out = compiled.packed(ids, cu)
+    F.cross_entropy(out, targets, reduction="sum").backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
+    F.cross_entropy(ref, targets, reduction="sum").backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():  # fp32 sums of O(10) values: relative 1e-5 as well
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_decorated_class_compiles_on_first_use():
+    @hcompile.hydraulis
+    class Tiny(GPT):
+        pass
+
+    model = init_weights_(Tiny())
+    lens = [4, 6]
+    ids, cu = _packed_batch(lens)
+    out = model.packed(ids, cu)
+    ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert model.hcompiled is model.hcompiled

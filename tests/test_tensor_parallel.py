@@ -1,0 +1,191 @@
+"""Tensor parallel: golden plan/graph on hand-built graphs, named errors, and gloo runs on 2 and 4 ranks that
+match the unsharded model's logits, loss and gradient slices."""
+
+import operator
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import fx, nn
+
+from dist_helpers import run_ranks
+from hcompile.capture import capture
+from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
+from passes.ir import ParallelScheme
+from passes.pass_runner import PassContext, PassError, propagate_vals, run_passes
+from passes.tensor_parallel import decide_tensor_parallel, shard_tensor_parallel_pass
+
+CASES = {
+    "gpt": (GPT, GPTConfig(layers=1, heads=4, hidden=64)),
+    "llama": (Llama, LlamaConfig(layers=1, heads=4, kv_heads=2, hidden=64, ffn_hidden=128)),
+}
+
+
+def _case(name):
+    model_cls, cfg = CASES[name]
+    model = init_weights_(model_cls(cfg), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab, (2, 12), generator=gen)
+    targets = torch.randint(0, cfg.vocab, (2, 12), generator=gen)
+    return model, cfg, ids, targets
+
+
+def _check_rank(rank, world, name, graph_bytes, output_index):
+    """One rank: shard the (parent-captured) graph, run it, compare with the unsharded model."""
+    model, cfg, ids, targets = _case(name)
+    gm = pickle.loads(graph_bytes)
+    propagate_vals(gm, [ids])
+    ctx = PassContext(scheme=ParallelScheme(tp=world), tp_rank=rank, tp_group=dist.group.WORLD.group_name)
+    gm, records = run_passes(gm, [shard_tensor_parallel_pass], ctx)
+    plan = records[0].info["plan"]
+    logits = gm(ids)[output_index]
+    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+    loss.backward()
+    ref_logits = model(ids)
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+    ref_loss.backward()
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    split = 0
+    for sl in plan.params:
+        local = gm.get_parameter(sl.name)
+        assert tuple(local.shape) == sl.local_shape, sl.describe()
+        full = model.get_parameter(sl.name)
+        torch.testing.assert_close(local.grad, sl.take(full.grad), rtol=1e-5, atol=1e-6, msg=sl.describe())
+        split += sl.dim is not None
+    assert split >= 4 * cfg.layers, plan.describe()
+
+
+def _tp_worker(rank, world, graphs):
+    for name, (graph_bytes, output_index) in graphs.items():
+        _check_rank(rank, world, name, graph_bytes, output_index)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_unsharded_on_gloo(world, tmp_path):
+    graphs = {}
+    for name in CASES:  # capture once here; every rank rewrites the same captured graph for itself
+        model, _, ids, _ = _case(name)
+        cap = capture(model, ids)
+        graphs[name] = (pickle.dumps(cap.graph_module), cap.output_index)
+    run_ranks(_tp_worker, world, tmp_path, graphs, timeout=180)
+
+
+def test_plan_golden_for_llama_with_replicated_kv_heads():
+    cfg = LlamaConfig(layers=1, heads=4, kv_heads=2, hidden=64, ffn_hidden=128)
+    cap = capture(init_weights_(Llama(cfg)), torch.zeros(1, 8, dtype=torch.long))
+    plan = decide_tensor_parallel(cap.graph_module, 4, 3)
+    assert plan.describe() == GOLDEN_PLAN
+
+
+GOLDEN_PLAN = """\
+tp=4 rank=3
+  linear: column
+  linear_1: column
+  linear_2: column
+  linear_3: row
+  linear_4: column
+  linear_5: column
+  linear_6: row
+  linear_7: replicated
+  layers.0.self_attn.q_proj.weight[48:64 of dim 0]
+  layers.0.self_attn.k_proj.weight[16:32 of dim 0 shared by 2]
+  layers.0.self_attn.v_proj.weight[16:32 of dim 0 shared by 2]
+  layers.0.self_attn.o_proj.weight[48:64 of dim 1]
+  layers.0.gate_proj.weight[96:128 of dim 0]
+  layers.0.up_proj.weight[96:128 of dim 0]
+  layers.0.down_proj.weight[96:128 of dim 1]
+  embed_tokens.weight[replicated]
+  layers.0.input_layernorm.weight[replicated]
+  layers.0.post_attention_layernorm.weight[replicated]
+  norm.weight[replicated]
+  lm_head.weight[replicated]"""
+
+
+def _hand_built() -> fx.GraphModule:
+    """x (1, 4, 8) -> fused qkv linear -> split -> 2 heads -> SDPA -> out projection, as capture records it."""
+    root = nn.Module()
+    root.qkv = nn.Parameter(torch.randn(24, 8))
+    root.out = nn.Parameter(torch.randn(8, 8))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    qkv = g.call_function(torch._C._nn.linear, (x, g.get_attr("qkv"), None))
+    parts = g.call_method("split", (qkv, 8), {"dim": 2})
+    heads = []
+    for i in range(3):
+        view = g.call_method("view", (g.call_function(operator.getitem, (parts, i)), 1, 4, 2, 4))
+        heads.append(g.call_method("transpose", (view, 1, 2)))
+    y = g.call_function(F.scaled_dot_product_attention, tuple(heads), {"is_causal": True})
+    y = g.call_method("view", (g.call_method("transpose", (y, 1, 2)), 1, 4, 8))
+    g.output((g.call_function(torch._C._nn.linear, (y, g.get_attr("out"), None)),))
+    gm = fx.GraphModule(root, g)
+    propagate_vals(gm, [torch.randn(1, 4, 8)])
+    return gm
+
+
+def test_decision_on_a_hand_built_graph():
+    plan = decide_tensor_parallel(_hand_built(), 2, 1)
+    assert [(n, r.value) for n, r in plan.roles] == [("linear", "column"), ("linear_1", "row")]
+    assert [p.describe() for p in plan.params] == ["qkv[4:8,12:16,20:24 of dim 0]", "out[4:8 of dim 1]"]
+
+
+GOLDEN_GRAPH = """\
+graph():
+    %x : [num_users=1] = placeholder[target=x]
+    %qkv : [num_users=1] = get_attr[target=qkv]
+    %tp_copy_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_copy.default](args = (%x, g), kwargs = {})
+    %linear : [num_users=1] = call_function[target=torch._C._nn.linear](args = (%tp_copy_default, %qkv, None), kwargs = {})
+    %split : [num_users=3] = call_method[target=split](args = (%linear, [4, 4, 4], 2), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%split, 0), kwargs = {})
+    %view : [num_users=1] = call_method[target=view](args = (%getitem, 1, 4, 1, 4), kwargs = {})
+    %transpose : [num_users=1] = call_method[target=transpose](args = (%view, 1, 2), kwargs = {})
+    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%split, 1), kwargs = {})
+    %view_1 : [num_users=1] = call_method[target=view](args = (%getitem_1, 1, 4, 1, 4), kwargs = {})
+    %transpose_1 : [num_users=1] = call_method[target=transpose](args = (%view_1, 1, 2), kwargs = {})
+    %getitem_2 : [num_users=1] = call_function[target=operator.getitem](args = (%split, 2), kwargs = {})
+    %view_2 : [num_users=1] = call_method[target=view](args = (%getitem_2, 1, 4, 1, 4), kwargs = {})
+    %transpose_2 : [num_users=1] = call_method[target=transpose](args = (%view_2, 1, 2), kwargs = {})
+    %scaled_dot_product_attention : [num_users=1] = call_function[target=torch._C._nn.scaled_dot_product_attention](args = (%transpose, %transpose_1, %transpose_2), kwargs = {is_causal: True})
+    %transpose_3 : [num_users=1] = call_method[target=transpose](args = (%scaled_dot_product_attention, 1, 2), kwargs = {})
+    %view_3 : [num_users=1] = call_method[target=view](args = (%transpose_3, 1, 4, 4), kwargs = {})
+    %out : [num_users=1] = get_attr[target=out]
+    %linear_1 : [num_users=1] = call_function[target=torch._C._nn.linear](args = (%view_3, %out, None), kwargs = {})
+    %tp_all_reduce_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_all_reduce.default](args = (%linear_1, g), kwargs = {})
+    return (tp_all_reduce_default,)"""
+
+
+def _one_rank_group(tmp_path):
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/one", rank=0, world_size=1)
+    return dist.group.WORLD.group_name
+
+
+def test_rewrite_golden_graph_on_a_hand_built_graph(tmp_path):
+    gm = _hand_built()
+    ctx = PassContext(scheme=ParallelScheme(tp=2), tp_rank=1, tp_group="g")
+    out = shard_tensor_parallel_pass(gm, ctx).graph_module
+    text = str(out.graph).strip().replace("'g'", "g")
+    assert text == GOLDEN_GRAPH
+    assert tuple(out.get_parameter("qkv").shape) == (12, 8)
+
+
+def test_tp1_and_already_sharded_graphs_are_returned_unchanged():
+    gm = _hand_built()
+    assert shard_tensor_parallel_pass(gm, PassContext()).graph_module is gm
+    ctx = PassContext(scheme=ParallelScheme(tp=2), tp_rank=0, tp_group="g")
+    sharded = shard_tensor_parallel_pass(gm, ctx).graph_module
+    again = shard_tensor_parallel_pass(sharded, ctx)
+    assert again.graph_module is sharded and not again.modified
+
+
+@pytest.mark.parametrize("cfg, tp, message", [
+    (LlamaConfig(layers=1, heads=6, kv_heads=6, hidden=96), 4, "has 6 query heads, not divisible by tp=4"),
+    (LlamaConfig(layers=1, heads=6, kv_heads=3, hidden=96), 2,
+     "has 3 key/value heads: neither divisible by tp=2 nor replicable"),
+])
+def test_head_counts_that_cannot_split_are_named(cfg, tp, message):
+    cap = capture(Llama(cfg), torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(PassError, match=message + ".*|.*self_attn"):
+        decide_tensor_parallel(cap.graph_module, tp, 0)
