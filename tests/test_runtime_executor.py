@@ -6,8 +6,8 @@ import torch
 from passes.ir import CostModel, ParallelScheme, SchemeCost, Strategy
 from passes.plan_placement import assign_ranks
 from passes.plan_policies import Planner
-from tests.dist_util import run_ranks
-from tests.staged_lm import StagedProvider, init_params, reference_loss
+from dist_util import run_ranks
+from staged_lm import StagedProvider, init_params, reference_loss
 
 STRATEGIES = ["4x(tp1)", "1x(tp1,pp2)+2x(tp1)", "2x(tp1,pp2)", "1x(tp1,pp4)"]
 CPU_MODEL = CostModel(name="cpu-toy", gpus_per_node=4, entries=tuple(

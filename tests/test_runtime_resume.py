@@ -6,9 +6,9 @@ import torch
 
 from passes.ir import Strategy
 from passes.plan_policies import Planner
-from tests.dist_util import run_ranks
-from tests.staged_lm import StagedProvider, init_params, reference_loss
-from tests.test_runtime_executor import CPU_MODEL, batches
+from dist_util import run_ranks
+from staged_lm import StagedProvider, init_params, reference_loss
+from test_runtime_executor import CPU_MODEL, batches
 
 POOL = [Strategy.parse(s) for s in ["4x(tp1)", "1x(tp1,pp2)+2x(tp1)", "2x(tp1,pp2)"]]
 
