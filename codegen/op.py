@@ -127,7 +127,6 @@ def packed_attention(
     shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
     lengths and sequence counts reuse the compiled graph.
     """
-    check_layout(q, k, v, cu_seqlens, max_seqlen, backend)
     resolved = resolve_backend(backend, q.device)
     check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)

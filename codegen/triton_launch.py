@@ -10,7 +10,6 @@ imported here only when a kernel is first needed, so ``import codegen`` works wi
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from typing import Any, Callable
 
@@ -27,8 +26,12 @@ def interpreting() -> bool:
 
 
 def triton_available() -> bool:
-    """Whether the optional ``triton`` package is installed."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the optional ``triton`` package can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def require_triton_runnable(device: torch.device) -> None:
