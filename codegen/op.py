@@ -63,11 +63,15 @@ def packed_attention_backward_op(
     softmax_scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp."""
-    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
+    """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp.
+
+    The forward already validated ``cu_seqlens``; the Triton path does not read it back to the host again (that
+    would synchronise the GPU), the reference path needs the offsets on the host anyway.
+    """
     kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
     if backend == "triton":
         return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, **kwargs)
+    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
     return reference_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
 
 

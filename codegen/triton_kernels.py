@@ -38,6 +38,7 @@ def packed_attention_forward_kernel(
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
     if block_m * BLOCK_M < length:
         head_kv = head // GROUP
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,6 +93,7 @@ def packed_attention_backward_dq_kernel(
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
     if block_m * BLOCK_M < length:
         head_kv = head // GROUP
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,6 +151,7 @@ def packed_attention_backward_dkdv_kernel(
     block_n, seq, head_kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
     if block_n * BLOCK_N < length:
         cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
