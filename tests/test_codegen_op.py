@@ -69,12 +69,19 @@ def test_bucketed_max_seqlen_with_marked_token_dims_compiles_once_per_bucket():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_loss, backend=counter, fullgraph=True)
-    for lengths in ([5, 9, 3], [7, 2, 11, 6], [16, 2]):
+    for lengths in ([5, 9, 3], [7, 2, 11, 6], [16, 2], [40, 3], [33, 17, 2]):
         batch = make_batch(lengths, heads_q=4, heads_kv=2, head_dim=16)
         for tensor in (batch.q, batch.k, batch.v, batch.cu_seqlens):
             torch._dynamo.mark_dynamic(tensor, 0)
-        compiled(batch.q, batch.k, batch.v, batch.cu_seqlens, 16).backward()  # every batch is in bucket 16
-    assert counter.frame_count == 1
+        bound = codegen.bucket_max_seqlen(max(lengths))
+        compiled(batch.q, batch.k, batch.v, batch.cu_seqlens, bound).backward()
+    assert counter.frame_count == 2  # buckets 16 and 64
+
+
+def test_bucket_max_seqlen():
+    assert [codegen.bucket_max_seqlen(n) for n in (0, 1, 16, 17, 64, 65, 32768)] == [16, 16, 16, 32, 64, 128, 32768]
+    with pytest.raises(ValueError, match="max_seqlen=-3"):
+        codegen.bucket_max_seqlen(-3)
 
 
 @pytest.mark.parametrize("backend_name", ["eager", "aot_eager", "inductor"])
@@ -156,6 +163,12 @@ def test_contract_violations_raise_value_error_naming_the_value(case, backend, m
     with pytest.raises(ValueError, match=message):
         codegen.packed_attention(**args, backend=backend)
     assert not launched
+
+
+def test_the_op_itself_runs_only_resolved_backends():
+    batch = make_batch([3, 5], heads_q=2, heads_kv=2, head_dim=16)
+    with pytest.raises(ValueError, match="backend='auto'.*resolve 'auto' first"):
+        codegen.packed_attention_op(*_op_args(batch, "auto"))
 
 
 def test_unknown_backend_and_reference_head_dim_limit():
