@@ -9,6 +9,7 @@ imported here only when a kernel is first needed, so ``import codegen`` works wi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Callable
@@ -162,11 +163,7 @@ def triton_backward(
 
 def _device_guard(device: torch.device) -> Any:
     """Make ``device`` current for the launch (kernels go to the current CUDA device)."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    import contextlib
-
-    return contextlib.nullcontext()
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 KERNEL_BODIES: tuple[str, ...] = (

@@ -165,6 +165,16 @@ def test_contract_violations_raise_value_error_naming_the_value(case, backend, m
     assert not launched
 
 
+def test_offsets_are_checked_at_run_time_under_torch_compile():
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss, backend="aot_eager", fullgraph=True)
+    batch = make_batch([3, 5], heads_q=2, heads_kv=2, head_dim=16)
+    compiled(*batch.inputs())
+    decreasing = torch.tensor([0, 6, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[1\]=6 > cu_seqlens\[2\]=3"):
+        compiled(batch.q, batch.k, batch.v, decreasing, 6)
+
+
 def test_the_op_itself_runs_only_resolved_backends():
     batch = make_batch([3, 5], heads_q=2, heads_kv=2, head_dim=16)
     with pytest.raises(ValueError, match="backend='auto'.*resolve 'auto' first"):
