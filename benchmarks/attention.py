@@ -6,7 +6,8 @@ sequence) it times forward and forward+backward of
 - ``hydraulis``: ``codegen.packed_attention(..., backend="triton")`` on the packed batch;
 - ``varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` on the packed batch, where it exists;
 - ``flex``: FlexAttention (compiled) on the packed batch with a document-causal block mask;
-- ``sdpa_padded``: ``scaled_dot_product_attention(is_causal=True)`` on the batch padded to its longest sequence,
+- ``sdpa_padded``: ``scaled_dot_product_attention(is_causal=True)`` on the batch padded to its longest sequence
+  (padded once, outside the timed region),
 
 and reports ms, TFLOPS and the peak memory of forward+backward.  FLOPs count only the useful work of causal
 attention, the same for every method (padding and masked blocks are overhead, not work):
@@ -165,21 +166,24 @@ def flex_runner(cu_seqlens: torch.Tensor, total: int, *, compiled: bool = True) 
     return run
 
 
-def run_sdpa_padded(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor:
-    """Pad every sequence to the longest, run causal SDPA, unpad (padding is part of the measured cost)."""
-    offsets = cu_seqlens.tolist()
-    batch = len(offsets) - 1
+def pad_packed(x: torch.Tensor, offsets: list[int], max_seqlen: int) -> torch.Tensor:
+    """(T, heads, d) packed -> (batch, heads, max_seqlen, d), each sequence right-padded with zeros."""
+    padded = x.new_zeros(len(offsets) - 1, max_seqlen, x.shape[1], x.shape[2])
+    for index, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        padded[index, : end - start] = x[start:end]
+    return padded.transpose(1, 2)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:  # (T, heads, d) -> (batch, heads, max_seqlen, d)
-        padded = x.new_zeros(batch, max_seqlen, x.shape[1], x.shape[2])
-        for index, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-            padded[index, : end - start] = x[start:end]
-        return padded.transpose(1, 2)
 
-    out = torch.nn.functional.scaled_dot_product_attention(
-        pad(q), pad(k), pad(v), is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-    ).transpose(1, 2)  # (batch, max_seqlen, heads, d)
-    return torch.cat([out[i, : end - start] for i, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))])
+def unpad(out: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """(batch, heads, max_seqlen, d) -> (T, heads, d), dropping the padding rows."""
+    rows = out.transpose(1, 2)
+    return torch.cat([rows[i, : end - start] for i, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))])
+
+
+def sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA on right-padded (batch, heads, max_seqlen, d) tensors; real rows see only real keys."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=q.shape[1] != k.shape[1])
 
 
 METHODS: dict[str, str] = {
@@ -206,37 +210,53 @@ def _time_ms(fn: Callable[[], object], repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _runner(method: str, cu_seqlens: torch.Tensor, total: int) -> Callable[..., torch.Tensor]:
-    if method == "hydraulis":
-        return run_hydraulis
-    if method == "varlen_attn":
-        import torch.nn.attention.varlen  # noqa: F401  (ImportError where it does not exist)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One method bound to one batch: a forward to time and the leaves its backward differentiates."""
 
-        return run_varlen_attn
-    if method == "flex":
-        return flex_runner(cu_seqlens, total)
-    return run_sdpa_padded
+    forward: Callable[[], torch.Tensor]
+    """Runs the method's forward once."""
+    leaves: tuple[torch.Tensor, ...]
+    """q, k, v as that method holds them (packed, or padded for ``sdpa_padded``)."""
+
+
+def make_case(method: str, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> Case:
+    """Bind a method to a packed batch; padding for ``sdpa_padded`` happens here, outside the timed region."""
+    if method == "sdpa_padded":
+        offsets = cu_seqlens.tolist()
+        padded = tuple(pad_packed(x.detach(), offsets, max_seqlen).requires_grad_() for x in (q, k, v))
+        return Case(forward=lambda: sdpa_padded(*padded), leaves=padded)
+    if method == "hydraulis":
+        run = run_hydraulis
+    elif method == "varlen_attn":
+        run = run_varlen_attn
+    else:
+        run = flex_runner(cu_seqlens, q.shape[0])
+    return Case(forward=lambda: run(q, k, v, cu_seqlens, max_seqlen), leaves=(q, k, v))
 
 
 def measure(mix: str, lengths: list[int], method: str, config: BenchConfig) -> Row:
     """Time forward and forward+backward of one method on one mix; memory peak of forward+backward."""
-    device = torch.device("cuda")
-    q, k, v, cu_seqlens, max_seqlen = packed_inputs(lengths, config, device)
+    q, k, v, cu_seqlens, max_seqlen = packed_inputs(lengths, config, torch.device("cuda"))
     row = Row(mix=mix, method=method, num_seqs=len(lengths), total_tokens=sum(lengths), max_seqlen=max_seqlen)
     try:
-        run = _runner(method, cu_seqlens, sum(lengths))
-        grad_out = torch.randn_like(q)
+        case = make_case(method, q, k, v, cu_seqlens, max_seqlen)
+        grad_out = torch.randn_like(case.forward())
+
+        def forward_backward() -> None:
+            torch.autograd.grad(case.forward(), case.leaves, grad_out)
+
         with torch.no_grad():
-            row.fwd_ms = _time_ms(lambda: run(q, k, v, cu_seqlens, max_seqlen))
-        row.fwd_bwd_ms = _time_ms(lambda: torch.autograd.grad(run(q, k, v, cu_seqlens, max_seqlen), (q, k, v),
-                                                              grad_out))
+            row.fwd_ms = _time_ms(case.forward)
+        row.fwd_bwd_ms = _time_ms(forward_backward)
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-        torch.autograd.grad(run(q, k, v, cu_seqlens, max_seqlen), (q, k, v), grad_out)
+        forward_backward()
         torch.cuda.synchronize()
         row.peak_memory_gib = (torch.cuda.max_memory_allocated() - baseline) / 2**30
     except (ImportError, RuntimeError, torch.OutOfMemoryError) as error:  # a method that cannot run is reported
-        row.note = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        row.note = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         torch.cuda.empty_cache()
         return row
     flops = attention_flops(lengths, config.heads_q, config.head_dim)

@@ -57,9 +57,21 @@ def test_length_mixes_fill_the_budget():
 
 def test_padded_sdpa_baseline_computes_packed_attention():
     batch = make_batch([5, 12, 1], heads_q=4, heads_kv=2, head_dim=16)
-    got = attention.run_sdpa_padded(*batch.inputs())
+    case = attention.make_case("sdpa_padded", *batch.inputs())
+    assert case.leaves[0].shape == (3, 4, 12, 16)  # (batch, heads, max_seqlen, d)
+    got = attention.unpad(case.forward(), batch.cu_seqlens.tolist())
     want = codegen.packed_attention(*batch.inputs(), backend="reference")
     assert relative_error(got, want) < 1e-5
+
+
+def test_hydraulis_case_runs_the_triton_op(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    batch = make_batch([7, 3], heads_q=2, heads_kv=1, head_dim=16)
+    case = attention.make_case("hydraulis", *batch.inputs())
+    out = case.forward()
+    grads = torch.autograd.grad(out, case.leaves, torch.ones_like(out))
+    assert [g.shape for g in grads] == [x.shape for x in (batch.q, batch.k, batch.v)]
+    assert relative_error(out, codegen.packed_attention(*batch.inputs(), backend="reference")) < 1e-4
 
 
 def test_bad_config_names_the_value():
