@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from passes.ir import ParallelScheme, StepPlan
 from runtime.distributed import DistContext, GroupCache
-from runtime.fixed_layout import FixedLayout, ParamSlice
+from runtime.fixed_layout import FixedLayout, ParamSlice, grad_weight
 from runtime.loss import global_pair_count, packed_causal_lm_loss_sum
 from runtime.topology import Cluster, Placement, place
 
@@ -108,7 +108,8 @@ class Executor:
             loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, params, micro, pairs)
         busy_ms = (time.thread_time() - busy_start) * 1e3
         counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else 0.0
-        self.layout.reduce_gradients({n: (s, _grad_or_zeros(params[n])) for n, s in program.param_slices.items()})
+        self.layout.reduce_gradients({n: (s, _grad_or_zeros(params[n]), grad_weight(s, scheme.tp))
+                                     for n, s in program.param_slices.items()})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)

@@ -10,48 +10,38 @@ Switching strategy therefore moves no optimiser state. Bytes moved are counted p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ParamSlice", "FixedLayout", "FULL"]
+from passes.tensor_parallel import ParamSlice
+
+__all__ = ["ParamSlice", "FixedLayout", "full_slice", "grad_weight", "scatter_add_"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ParamSlice:
-    """The part of a parameter a compute layout holds, and how its gradient counts."""
-
-    dim: int | None = None
-    """The dim cut into blocks; None: the whole parameter."""
-    index: int = 0
-    """Which block this rank holds."""
-    parts: int = 1
-    """Into how many equal blocks ``dim`` is cut."""
-    grad_weight: float = 1.0
-    """Factor on this rank's gradient before summing over ranks: 1/k when k ranks of one replica hold
-    identical copies with identical gradients (a TP-replicated norm weight), 1 for partial gradients that
-    must add up (tied embeddings on two pipeline stages, TP shards)."""
-
-    def __post_init__(self) -> None:
-        if self.parts < 1 or not 0 <= self.index < self.parts:
-            raise ValueError(f"slice block {self.index} of {self.parts} is out of range")
-        if self.dim is None and self.parts != 1:
-            raise ValueError(f"a whole-parameter slice has 1 part, got {self.parts}")
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This slice of ``full`` (a view)."""
-        if self.dim is None:
-            return full
-        size = full.shape[self.dim]
-        if size % self.parts:
-            raise ValueError(f"dim {self.dim} of size {size} does not split into {self.parts} blocks")
-        block = size // self.parts
-        return full.narrow(self.dim, self.index * block, block)
+def full_slice(name: str, shape: tuple[int, ...]) -> ParamSlice:
+    """The whole parameter (what a tensor-parallel degree of 1 holds)."""
+    return ParamSlice(name=name, full_shape=tuple(shape))
 
 
-FULL = ParamSlice()
+def grad_weight(slc: ParamSlice, tp: int) -> float:
+    """Factor on a rank's gradient slice before summing over all ranks. A tensor-parallel rewrite leaves
+    identical gradients on every rank that holds the same elements (replicated weights on all ``tp`` ranks;
+    replicated key/value blocks on ``shared_by`` ranks), so those count once; partial gradients of one
+    weight on different pipeline stages (tied embeddings) and different replicas add up."""
+    return 1.0 / tp if slc.dim is None else 1.0 / slc.shared_by
+
+
+def scatter_add_(full: torch.Tensor, slc: ParamSlice, grad: torch.Tensor, weight: float) -> None:
+    """``full[slice] += weight * grad`` for a slice made of blocks of one dim."""
+    if slc.dim is None:
+        full.add_(grad, alpha=weight)
+        return
+    offset = 0
+    for start, stop in slc.ranges:
+        full.narrow(slc.dim, start, stop - start).add_(grad.narrow(slc.dim, offset, stop - start), alpha=weight)
+        offset += stop - start
+
 
 # torch renamed the flat-tensor collectives; use the new names where they exist.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -94,13 +84,13 @@ class FixedLayout:
             self.param_bytes_moved += (self.world_size - 1) * self.shard_numel * 4
         return {name: self._view(flat, name) for name in self.shapes}
 
-    def reduce_gradients(self, grads: dict[str, tuple[ParamSlice, torch.Tensor]]) -> None:
+    def reduce_gradients(self, grads: dict[str, tuple[ParamSlice, torch.Tensor, float]]) -> None:
         """Sum every rank's gradient slices (times their weights) into this rank's shard gradient."""
         flat = torch.zeros(self.shard_numel * self.world_size, dtype=torch.float32, device=self.device)
-        for name, (slc, grad) in grads.items():
+        for name, (slc, grad, weight) in grads.items():
             if name not in self.offsets:
                 raise KeyError(f"gradient for unknown parameter {name!r}")
-            slc.take(self._view(flat, name)).add_(grad.detach().to(torch.float32), alpha=slc.grad_weight)
+            scatter_add_(self._view(flat, name), slc, grad.detach().to(torch.float32), weight)
         lo = self.rank * self.shard_numel
         if self.world_size == 1:
             shard_grad = flat

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from runtime.fixed_layout import FULL
+from runtime.fixed_layout import full_slice
 
 VOCAB, HIDDEN, HEADS, LAYERS, MAX_POS = 61, 32, 4, 4, 256
 
@@ -59,7 +59,8 @@ class StagedProgram:
             names = ["emb", "pos"] + names
         if stage == pp - 1:
             names += ["ln_f", "head"]
-        self.param_slices = {n: FULL for n in names}
+        shapes = {n: tuple(t.shape) for n, t in init_params(0).items()}
+        self.param_slices = {n: full_slice(n, shapes[n]) for n in names}
 
     def __call__(self, p, x, cu_seqlens, max_seqlen):
         if self.stage == 0:
