@@ -87,11 +87,20 @@ def _pad_to_bucket(
     return ids[None], cu, max_seqlen, total, bucket
 
 
-def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager") -> CompiledModel:
-    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use)."""
+def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
+            **training: Any) -> Any:
+    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use).
+    With training options (``loss``, ``optimizer``, ``optimizer_kwargs``, ``strategies``, ``max_tokens``,
+    ``policy``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
-    return CompiledModel(model, buckets=buckets, backend=backend)
+    compiled = CompiledModel(model, buckets=buckets, backend=backend)
+    if not training:
+        return compiled
+    from hcompile.train import TrainOptions, Trainer
+
+    extra = {k: training.pop(k) for k in ("cost_model", "dataset", "cluster") if k in training}
+    return Trainer(compiled, TrainOptions(buckets=buckets, **training), **extra)
 
 
 def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type] | type:

@@ -17,7 +17,7 @@ from passes.cost_model import (build_cost_model, default_optimizer_layout, load_
                                Profile)
 from passes.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
 from passes.ir import CostModel, PlanError, StepPlan, Strategy
-from passes.plan_policies import POLICIES, Planner, homogeneous_strategies
+from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
 
 __all__ = ["PlanJob", "PolicyResult", "PlanReport", "run_plan_job", "format_report"]
@@ -144,17 +144,6 @@ def _profile(job: PlanJob) -> Profile:
     return load_profile_file(job.profile_file) if job.profile_file else load_profile(job.model, job.hardware)
 
 
-def _fixed_strategy(cost_model: CostModel, gpus: int, longest: int) -> Strategy:
-    """The baselines' strategy: homogeneous, fewest GPUs per replica (then fewest stages) holding ``longest``."""
-    options = [s for s in homogeneous_strategies(cost_model, gpus) if cost_model.max_tokens(s.schemes[0]) >= longest]
-    if not options:
-        supported = max((cost_model.max_tokens(s.schemes[0]) for s in homogeneous_strategies(cost_model, gpus)),
-                        default=0)
-        raise PlanError(f"a sequence of {longest} tokens fits no homogeneous strategy on {gpus} GPUs "
-                        f"(longest supported: {supported} tokens)")
-    return min(options, key=lambda s: (s.schemes[0].gpus, s.schemes[0].pp, s.describe()))
-
-
 def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
     """Everything before the steps: cost model under the layout, pool, fixed strategy and batches."""
     profile = _profile(job)
@@ -166,7 +155,7 @@ def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
     else:
         layout = default_optimizer_layout(profile, job.gpus, dataset.max_len)
     cost_model = build_cost_model(profile, layout)
-    fixed = _fixed_strategy(cost_model, job.gpus, dataset.max_len)
+    fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
     return Planner(cost_model, job.gpus, pool, fixed), dataset, batches

@@ -25,7 +25,7 @@ from passes.plan_assign import Kind, dispatch, first_fit
 from passes.plan_placement import assign_ranks, usable_schemes
 from passes.plan_pool import fluid_estimate
 
-__all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies"]
+__all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
 
 POLICIES = ("padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step", "hydraulis")
 
@@ -33,6 +33,18 @@ POLICIES = ("padding", "fixed-packing", "homogeneous-token", "homogeneous-per-st
 def homogeneous_strategies(cost_model: CostModel, gpus: int) -> list[Strategy]:
     """Every homogeneous strategy of usable schemes that fills ``gpus`` exactly."""
     return [Strategy.homogeneous(s, gpus) for s in usable_schemes(cost_model, gpus) if gpus % s.gpus == 0]
+
+
+def sized_homogeneous(cost_model: CostModel, gpus: int, longest: int) -> Strategy:
+    """The baselines' fixed strategy: homogeneous, fewest GPUs per replica (then fewest stages) that holds
+    ``longest``; what a user of a homogeneous system configures for the whole run."""
+    options = [s for s in homogeneous_strategies(cost_model, gpus) if cost_model.max_tokens(s.schemes[0]) >= longest]
+    if not options:
+        supported = max((cost_model.max_tokens(s.schemes[0]) for s in homogeneous_strategies(cost_model, gpus)),
+                        default=0)
+        raise PlanError(f"a sequence of {longest} tokens fits no homogeneous strategy on {gpus} GPUs "
+                        f"(longest supported: {supported} tokens)")
+    return min(options, key=lambda s: (s.schemes[0].gpus, s.schemes[0].pp, s.describe()))
 
 
 def _bound_terms(cost_model: CostModel, schemes: list, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -68,6 +68,10 @@ class StepStats:
     """Bytes this rank moved to reduce gradients this step."""
     tokens_per_rank: tuple[int, ...]
     """Tokens each rank computed (a TP group's ranks each count their replica's tokens)."""
+    plan_ms: float = 0.0
+    """Planning wall time of this step on rank 0, ms (0 when the plan was given)."""
+    plan_hidden: bool = False
+    """Whether planning had finished before the step needed the plan."""
 
 
 def pack_micro_batch(batch: Sequence[torch.Tensor], indices: Sequence[int],
