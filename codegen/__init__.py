@@ -4,14 +4,20 @@ reference. May import torch and triton only.
 ``packed_attention`` is the entry point; ``KernelSpec`` / ``spec_space`` describe what the Triton kernels are
 generated from; ``reference_forward`` / ``reference_backward`` are the plain-torch oracle.  Triton itself is
 imported only when a Triton kernel is first generated, so this package imports without it.
+
+For graph rewrites: the op is ``torch.ops.hydraulis.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal,
+softmax_scale, backend) -> (out, lse)`` with ``max_seqlen`` a SymInt and ``backend`` already resolved
+("triton" or "reference"; see ``resolve_backend``); its autograd calls ``torch.ops.hydraulis.
+packed_attention_backward``.  Either compile with dynamic shapes or pass ``bucket_max_seqlen(longest)``.
 """
 
-from codegen.op import packed_attention, packed_attention_backward_op, packed_attention_op, resolve_backend
+from codegen.op import bucket_max_seqlen, packed_attention, packed_attention_backward_op, packed_attention_op, resolve_backend
 from codegen.reference import reference_backward, reference_forward
 from codegen.spec import TRITON_HEAD_DIMS, KernelSpec, spec_space
 from codegen.triton_launch import interpreting, triton_available
 
 __all__ = [
+    "bucket_max_seqlen",
     "KernelSpec",
     "TRITON_HEAD_DIMS",
     "interpreting",

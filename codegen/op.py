@@ -17,7 +17,7 @@ import torch
 
 from codegen.reference import reference_backward, reference_forward
 from codegen.triton_launch import triton_backward, triton_forward
-from codegen.validation import check_layout, check_offsets
+from codegen.validation import check_backend, check_layout, check_offsets
 
 _FORWARD_NAME = "hydraulis::packed_attention"
 _BACKWARD_NAME = "hydraulis::packed_attention_backward"
@@ -63,11 +63,15 @@ def packed_attention_backward_op(
     softmax_scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp."""
-    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
+    """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp.
+
+    The forward already validated ``cu_seqlens``; the Triton path does not read it back to the host again (that
+    would synchronise the GPU), the reference path needs the offsets on the host anyway.
+    """
     kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
     if backend == "triton":
         return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, **kwargs)
+    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
     return reference_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
 
 
@@ -99,6 +103,14 @@ def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def bucket_max_seqlen(max_seqlen: int, *, minimum: int = 16) -> int:
+    """``max_seqlen`` rounded up to a power of two (at least ``minimum``): a valid bound for the op that takes few
+    distinct values, for callers that compile with static ints rather than ``dynamic=True``."""
+    if max_seqlen < 0:
+        raise ValueError(f"max_seqlen={max_seqlen} must be >= 0")
+    return max(minimum, 1 << max(max_seqlen - 1, 0).bit_length())
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` is Triton on a CUDA device and the reference elsewhere; other names pass through."""
     if backend != "auto":
@@ -127,7 +139,7 @@ def packed_attention(
     shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
     lengths and sequence counts reuse the compiled graph.
     """
-    check_layout(q, k, v, cu_seqlens, max_seqlen, backend)
+    check_backend(backend)
     resolved = resolve_backend(backend, q.device)
     check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)

@@ -19,6 +19,14 @@ import triton.language as tl
 LOG2_E = tl.constexpr(1.4426950408889634)
 NEG_LARGE = tl.constexpr(-1.0e30)
 
+# Row reductions go through ``tl.reduce`` with Triton's own combine functions instead of ``tl.max`` / ``tl.sum``
+# (and tiles start from ``tl.full`` instead of ``tl.zeros``): those helpers are @jit wrappers frozen into compiled
+# or interpreted mode when triton is first imported, so they fail under TRITON_INTERPRET=1 if anything imported
+# triton before the variable was set.  ``tl.reduce`` with these combine functions is what ``tl.max`` / ``tl.sum``
+# compile to, and the interpreter recognises them and reduces in numpy.
+MAX_COMBINE = tl.standard._elementwise_max
+SUM_COMBINE = tl.standard._sum_combine
+
 
 def packed_attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
@@ -30,6 +38,7 @@ def packed_attention_forward_kernel(
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
     if block_m * BLOCK_M < length:
         head_kv = head // GROUP
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,8 +50,8 @@ def packed_attention_forward_kernel(
             q = q.to(tl.float32)
         qk_scale = scale * LOG2_E
         m_i = tl.full([BLOCK_M], NEG_LARGE, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         stop = length
         if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
             stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
@@ -61,10 +70,10 @@ def packed_attention_forward_kernel(
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
             s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale, NEG_LARGE)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX_COMBINE))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -84,6 +93,7 @@ def packed_attention_backward_dq_kernel(
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
     if block_m * BLOCK_M < length:
         head_kv = head // GROUP
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,7 +110,7 @@ def packed_attention_backward_dq_kernel(
         lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
         delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
         qk_scale = scale * LOG2_E
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         stop = length
         if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
             stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
@@ -141,6 +151,7 @@ def packed_attention_backward_dkdv_kernel(
     block_n, seq, head_kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
     if block_n * BLOCK_N < length:
         cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
@@ -154,8 +165,8 @@ def packed_attention_backward_dkdv_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         qk_scale = scale * LOG2_E
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
+        dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         # Causal: query rows before this key block see none of it; start at the block that holds its first key.
         first_row = 0
         if CAUSAL:

@@ -9,8 +9,8 @@ imported here only when a kernel is first needed, so ``import codegen`` works wi
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib.util
 import os
 from typing import Any, Callable
 
@@ -27,8 +27,12 @@ def interpreting() -> bool:
 
 
 def triton_available() -> bool:
-    """Whether the optional ``triton`` package is installed."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the optional ``triton`` package can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def require_triton_runnable(device: torch.device) -> None:
@@ -159,8 +163,53 @@ def triton_backward(
 
 def _device_guard(device: torch.device) -> Any:
     """Make ``device`` current for the launch (kernels go to the current CUDA device)."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    import contextlib
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
-    return contextlib.nullcontext()
+
+KERNEL_BODIES: tuple[str, ...] = (
+    "packed_attention_forward_kernel",
+    "packed_attention_backward_dq_kernel",
+    "packed_attention_backward_dkdv_kernel",
+)
+"""Names of the kernel bodies in ``codegen.triton_kernels``."""
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+
+
+def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict[str, int]:
+    """Compile one kernel body for an NVIDIA GPU of compute capability ``arch`` without needing that GPU.
+
+    Proves the generated kernel is valid compiled Triton (not only interpretable) and reports its resource use:
+    ``{"shared_bytes": ..., "num_warps": ...}``.  Needs triton's CUDA backend (its bundled ptxas), not a GPU.
+    """
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+    from triton.runtime.jit import JITFunction
+
+    from codegen import triton_kernels
+
+    body = getattr(triton_kernels, body_name)
+    constexprs = {
+        "HEAD_DIM": spec.head_dim, "CAUSAL": spec.causal, "GROUP": spec.group_size,
+        "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32", "UPCAST": spec.upcast_operands,
+        "BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n,
+    }
+    signature = {}
+    for name in inspect.signature(body).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("lse_ptr", "delta_ptr"):
+            signature[name] = "*fp32"
+        elif name == "cu_seqlens_ptr":
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTER_TYPES[spec.dtype]
+        else:
+            signature[name] = "fp32" if name == "scale" else "i32"
+    source = ASTSource(JITFunction(body), signature, constexprs)
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    compiled = triton_compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return {"shared_bytes": int(compiled.metadata.shared), "num_warps": int(compiled.metadata.num_warps)}

@@ -12,7 +12,16 @@ import torch
 from codegen.spec import MAX_REFERENCE_HEAD_DIM, SUPPORTED_DTYPES, TRITON_HEAD_DIMS
 
 BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
-"""Accepted values of ``backend``."""
+"""Accepted values of ``backend`` in ``packed_attention``."""
+
+RESOLVED_BACKENDS: tuple[str, ...] = ("triton", "reference")
+"""Backends the custom op itself runs ("auto" is resolved by ``packed_attention`` before the op is called)."""
+
+
+def check_backend(backend: str) -> None:
+    """Reject an unknown backend name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
 
 
 def check_layout(
@@ -23,9 +32,9 @@ def check_layout(
     max_seqlen: int,
     backend: str,
 ) -> None:
-    """Validate shapes, dtypes, devices and head counts (no tensor values are read)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    """Validate shapes, dtypes, devices and head counts for a resolved backend (no tensor values are read)."""
+    if backend not in RESOLVED_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {RESOLVED_BACKENDS}; resolve 'auto' first")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, heads, head_dim); got shape {tuple(tensor.shape)}")

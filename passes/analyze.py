@@ -65,6 +65,21 @@ _ELEMENTWISE_METHODS = {"add", "mul", "pow", "float", "to", "type_as", "cos", "s
                         "neg", "tanh", "sigmoid", "mean", "sum", "half", "bfloat16", "masked_fill"}
 
 
+_aten = torch.ops.aten
+_ATEN_CLASSES = {
+    _aten.mm.default: "linear", _aten.addmm.default: "linear", _aten.bmm.default: "linear",
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: "attention",
+    _aten._scaled_dot_product_efficient_attention.default: "attention",
+    _aten._scaled_dot_product_flash_attention.default: "attention",
+    _aten.scaled_dot_product_attention.default: "attention",
+    _aten.native_layer_norm.default: "norm", _aten.embedding.default: "embedding",
+    _aten.view.default: "view", _aten._unsafe_view.default: "view", _aten.t.default: "view",
+    _aten.transpose.int: "view", _aten.permute.default: "view", _aten.expand.default: "view",
+    _aten.add.Tensor: "elementwise", _aten.mul.Tensor: "elementwise", _aten.gelu.default: "elementwise",
+    _aten.silu.default: "elementwise", _aten.rsqrt.default: "elementwise",
+}
+
+
 def _is_packed_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and "packed_attention" in str(getattr(node.target, "__name__", node.target))
 
@@ -86,6 +101,9 @@ def classify_node(node: fx.Node) -> OpClass:
     if node.op == "output":
         return OpClass.OUTPUT
     target = node.target
+    if node.op == "call_function" and target in _ATEN_CLASSES:  # aten-level graphs (aot_autograd)
+        kind = OpClass(_ATEN_CLASSES[target])
+        return OpClass.NORM if kind is OpClass.ELEMENTWISE and _in_norm_module(node) else kind
     if node.op == "call_function":
         if target in SDPA_TARGETS or _is_packed_attention(node):
             return OpClass.ATTENTION
@@ -149,7 +167,7 @@ def attention_sites(gm: fx.GraphModule) -> tuple[AttentionSite, ...]:
         q, k = _val(node.args[0]), _val(node.args[1])
         if q is None or k is None:
             raise ValueError(f"attention node {node.name!r} has no shape metadata (run propagate_vals first)")
-        head_axis = -3 if node.target in SDPA_TARGETS else -2
+        head_axis = -3 if q.dim() == 4 else -2  # (B, H, T, D) unpacked, (T, H, D) packed
         causal = bool(node.kwargs.get("is_causal", node.kwargs.get("causal", False)))
         sites.append(AttentionSite(node=node.name, module=_module_path(node), heads=int(q.shape[head_axis]),
                                    kv_heads=int(k.shape[head_axis]), head_dim=int(q.shape[-1]), causal=causal))
@@ -170,7 +188,7 @@ def node_flops(node: fx.Node) -> tuple[float, float]:
         q = _val(node.args[0])
         if q is None:
             return 0.0, 0.0
-        head_axis = -3 if node.target in SDPA_TARGETS else -2
+        head_axis = -3 if q.dim() == 4 else -2  # (B, H, T, D) unpacked, (T, H, D) packed
         heads, head_dim = q.shape[head_axis], q.shape[-1]
         causal = bool(node.kwargs.get("is_causal", node.kwargs.get("causal", False)))
         # QK^T and PV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair; causal keeps half.

@@ -120,8 +120,14 @@ class Strategy:
             m = re.fullmatch(r"(?:(\d+)x)?(\(.*\)|tp\d+.*)", chunk)
             if m is None:
                 raise PlanError(f"cannot parse strategy {text!r}: expected e.g. '1x(tp16)+12x(tp4)'")
-            parts.append((ParallelScheme.parse(m.group(2)), int(m.group(1) or 1)))
-        return cls(parts=tuple(parts))
+            try:
+                parts.append((ParallelScheme.parse(m.group(2)), int(m.group(1) or 1)))
+            except PlanError as exc:
+                raise PlanError(f"cannot parse strategy {text!r}: {exc}") from None
+        try:
+            return cls(parts=tuple(parts))
+        except PlanError as exc:
+            raise PlanError(f"bad strategy {text!r}: {exc}") from None
 
     @property
     def gpus(self) -> int:

@@ -8,6 +8,7 @@ from torch import nn
 
 from hcompile.capture import CaptureError, capture, capture_joint
 from hcompile.models import GPT, Llama, init_weights_
+from passes.analyze import classify_node
 
 
 @pytest.mark.parametrize("model_cls", [GPT, Llama])
@@ -37,7 +38,8 @@ class _Breaks(nn.Module):
 
 
 def test_graph_break_is_an_error_naming_the_break():
-    with pytest.raises(CaptureError, match=r"_Breaks graph-breaks: .*item"):
+    where = r"File .*test_capture.py\", line \d+, in forward"  # the break's reason and its place in user code
+    with pytest.raises(CaptureError, match=r"_Breaks graph-breaks: .*data-dependent.* \| " + where):
         capture(_Breaks(), torch.randn(2, 4))
 
 
@@ -68,6 +70,6 @@ def test_capture_joint_gives_forward_and_backward_graphs():
     model = init_weights_(GPT())
     cap = capture(model, torch.randint(0, 96, (1, 8)))
     fw, bw = capture_joint(cap)
-    targets = {str(n.target) for n in fw.graph.nodes if n.op == "call_function"}
-    assert any("scaled_dot_product" in t for t in targets)
+    classes = {classify_node(n).value for n in fw.graph.nodes}
+    assert {"linear", "attention", "norm", "embedding"} <= classes  # aten-level ops are classified too
     assert any(n.op == "call_function" for n in bw.graph.nodes)

@@ -81,10 +81,37 @@ def _check_packed_variant(rank, world, graph_bytes, output_index):
     assert variant.counter.count == 1
 
 
+def _check_tp_pp_variants(rank, world, graph_bytes, output_index):
+    """Scheme (tp=world, pp=2) on one rank: its TP part of both stages, chained, forward and backward."""
+    model, cfg, _, _ = _case("llama")
+    gm = pickle.loads(graph_bytes)
+    propagate_vals(gm, [torch.zeros(1, 32, dtype=torch.long)])
+    scheme, group = ParallelScheme(tp=world, pp=2), dist.group.WORLD.group_name
+    stages = [build_variant(gm, VariantKey(scheme=scheme, stage=s, bucket=32), tp_rank=rank, tp_group=group,
+                            output_index=output_index) for s in (0, 1)]
+    lens = [9, 3, 11]
+    ids = torch.randint(0, cfg.vocab, (sum(lens),), generator=torch.Generator().manual_seed(6))
+    cu = torch.tensor([0, 9, 12, 23], dtype=torch.int32)
+    sent = stages[0](ids, cu)
+    received = [t.detach().requires_grad_() for t in sent]
+    logits = stages[1].logits(stages[1](ids, cu, *received), len(ids))
+    F.cross_entropy(logits, ids.roll(-1), reduction="sum").backward()
+    torch.autograd.backward(list(sent), [t.grad for t in received])
+    ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
+    F.cross_entropy(ref, ids.roll(-1), reduction="sum").backward()
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    for stage in stages:
+        for sl, grad in zip(stage.params, stage.grads().values()):
+            torch.testing.assert_close(grad, sl.take(model.get_parameter(sl.name).grad), rtol=1e-5, atol=1e-5,
+                                       msg=sl.describe())
+
+
 def _tp_worker(rank, world, graphs, packed):
     for name, (graph_bytes, output_index) in graphs.items():
         _check_rank(rank, world, name, graph_bytes, output_index)
     _check_packed_variant(rank, world, *packed)
+    if world == 2:
+        _check_tp_pp_variants(rank, world, *packed)
 
 
 @pytest.mark.parametrize("world", [2, 4])

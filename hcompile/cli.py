@@ -1,0 +1,102 @@
+"""The ``hcompile`` command line. ``hcompile plan`` simulates the planner policies side by side on a
+cluster and a length dataset. Bad input exits with status 2 and a one-line message."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from passes.cost_model import PRESET_HARDWARE, PRESET_MODELS
+from passes.datasets import PRESET_DATASETS
+from passes.ir import PlanError
+from passes.plan_policies import POLICIES
+from runtime.launch import LaunchError
+
+__all__ = ["main", "build_parser"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="simulate the planner policies side by side on a cluster and dataset",
+                       description="Plan global batches of a length dataset with every policy and compare the "
+                                   "cost model's estimated step times.")
+    p.add_argument("--model", default="llama-32b", help=f"preset model: {', '.join(PRESET_MODELS)}")
+    p.add_argument("--hardware", default="a800-80g", help=f"preset hardware: {', '.join(PRESET_HARDWARE)}")
+    p.add_argument("--profile", dest="profile_file", help="a profile JSON (from `hcompile profile`) instead")
+    p.add_argument("--gpus", type=_positive_int, default=64, help="GPUs in the cluster (default 64)")
+    p.add_argument("--dataset", default="commoncrawl", help=f"preset dataset: {', '.join(PRESET_DATASETS)}")
+    p.add_argument("--lengths", dest="lengths_file",
+                   help="a JSON histogram or a text file of lengths (one per line; with --steps 1: one batch)")
+    p.add_argument("--global-tokens", type=_positive_int, default=200_000, help="tokens per global batch")
+    p.add_argument("--steps", type=_positive_int, default=30, help="global batches to plan (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
+                   help=f"a policy to run, repeatable (default: all of {', '.join(POLICIES)})")
+    p.add_argument("--optimizer-layout", help="the fixed optimiser layout, e.g. '4x(tp16)' (default: the "
+                                              "homogeneous strategy sized for the longest sequence)")
+    p.add_argument("--plans-out", help="write one JSON line per (step, policy) to this file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run a training script on N local ranks (gloo on CPU, NCCL on GPUs)",
+                       description="Start N ranks of a script on this machine, as torchrun would.")
+    p.add_argument("--nproc", type=_positive_int, required=True, help="ranks to start")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hcompile``."""
+    parser = argparse.ArgumentParser(prog="hcompile", description="Hydraulis training compiler.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    _add_launch(sub)
+    return parser
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from hcompile.simulate import PlanJob, format_report, run_plan_job, stderr_progress
+
+    job = PlanJob(model=args.model, hardware=args.hardware, gpus=args.gpus, dataset=args.dataset,
+                  global_tokens=args.global_tokens, steps=args.steps, seed=args.seed,
+                  policies=tuple(args.policies or POLICIES), lengths_file=args.lengths_file,
+                  optimizer_layout=args.optimizer_layout, profile_file=args.profile_file)
+    report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hcompile`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _run_plan(args)
+        if args.command == "launch":
+            from runtime.launch import launch
+
+            return launch(args.nproc, args.script, args.script_args)
+    except (PlanError, LaunchError) as exc:
+        print(f"hcompile {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

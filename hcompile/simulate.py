@@ -1,0 +1,233 @@
+"""Planner simulation: run every planner policy side by side over the same global batches of a length
+dataset on a simulated cluster, with the cost model's estimates. Used by ``hcompile plan`` and
+``benchmarks.planner``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from passes.cost_model import (build_cost_model, default_optimizer_layout, load_profile, load_profile_file,
+                               Profile)
+from passes.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
+from passes.ir import CostModel, PlanError, StepPlan, Strategy
+from passes.plan_policies import POLICIES, Planner, sized_homogeneous
+from passes.plan_pool import build_pool
+
+__all__ = ["PlanJob", "PolicyResult", "PlanReport", "run_plan_job", "format_report"]
+
+BASELINE = "homogeneous-token"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanJob:
+    """What to simulate: model, hardware, cluster, data, steps and policies."""
+
+    model: str = "llama-32b"
+    """Preset model name (ignored when ``profile_file`` is given)."""
+    hardware: str = "a800-80g"
+    """Preset hardware name."""
+    gpus: int = 64
+    """GPUs in the cluster."""
+    dataset: str = "commoncrawl"
+    """Preset dataset (ignored when ``lengths_file`` is given)."""
+    global_tokens: int = 200_000
+    """Tokens per global batch."""
+    steps: int = 30
+    """Global batches to plan."""
+    seed: int = 0
+    """Seed of batch sampling and of the pool's draws."""
+    policies: tuple[str, ...] = POLICIES
+    """Policies to run, side by side."""
+    lengths_file: str | None = None
+    """A JSON histogram or a text file of lengths; with ``steps == 1`` a text file is planned as one batch."""
+    optimizer_layout: str | None = None
+    """The fixed optimiser layout; default: the homogeneous strategy sized for the data's longest sequence."""
+    profile_file: str | None = None
+    """A profile JSON (``hcompile profile`` output) instead of the preset."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_tokens", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if not self.policies:
+            raise PlanError("at least one policy is needed")
+        for policy in self.policies:
+            if policy not in POLICIES:
+                raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyResult:
+    """One policy's numbers over all steps."""
+
+    est_step_ms: tuple[float, ...]
+    """Estimated step time of each step."""
+    solve_ms: tuple[float, ...]
+    """Planning wall time of each step."""
+    tokens: int
+    """Tokens planned over all steps."""
+
+    @property
+    def est_step_ms_mean(self) -> float:
+        return float(np.mean(self.est_step_ms))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (sum(self.est_step_ms) / 1e3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanReport:
+    """The outcome of a job."""
+
+    job: PlanJob
+    """The job that ran."""
+    dataset_name: str
+    """Dataset or file name."""
+    pool: tuple[Strategy, ...]
+    """The hydraulis strategy pool."""
+    fixed: Strategy
+    """The fixed homogeneous strategy of the baselines."""
+    lower_bound_ms: tuple[float, ...]
+    """The lower bound of each step."""
+    cost_model: CostModel
+    """The cost model the estimates come from."""
+    results: dict[str, PolicyResult] = field(default_factory=dict)
+    """Per policy."""
+
+    def to_json(self) -> dict:
+        """The ``--json`` object."""
+        return {
+            "model": self.job.model if self.job.profile_file is None else Path(self.job.profile_file).stem,
+            "hardware": self.job.hardware,
+            "gpus": self.job.gpus,
+            "dataset": self.dataset_name,
+            "global_tokens": self.job.global_tokens,
+            "steps": len(self.lower_bound_ms),
+            "seed": self.job.seed,
+            "pool": [s.describe() for s in self.pool],
+            "fixed_strategy": self.fixed.describe(),
+            "lower_bound_ms_mean": round(float(np.mean(self.lower_bound_ms)), 3),
+            "policies": {
+                name: {
+                    "est_step_ms_mean": round(r.est_step_ms_mean, 3),
+                    "tokens_per_s": round(r.tokens_per_s, 3),
+                    "solve_ms_p50": round(float(np.percentile(r.solve_ms, 50)), 3),
+                    "solve_ms_p95": round(float(np.percentile(r.solve_ms, 95)), 3),
+                }
+                for name, r in self.results.items()
+            },
+        }
+
+
+def _load_data(job: PlanJob) -> tuple[LengthDataset, list[list[int]] | None]:
+    """The dataset, and the exact batch when a text file of lengths is planned for one step."""
+    if job.lengths_file is None:
+        return load_dataset(job.dataset), None
+    data = read_lengths_file(job.lengths_file)
+    if isinstance(data, LengthDataset):
+        return data, None
+    name = Path(job.lengths_file).stem
+    dataset = LengthDataset.from_lengths(name, data, source=f"file {job.lengths_file}")
+    return dataset, ([data] if job.steps == 1 else None)
+
+
+def _profile(job: PlanJob) -> Profile:
+    return load_profile_file(job.profile_file) if job.profile_file else load_profile(job.model, job.hardware)
+
+
+def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
+    """Everything before the steps: cost model under the layout, pool, fixed strategy and batches."""
+    profile = _profile(job)
+    dataset, exact = _load_data(job)
+    if job.optimizer_layout is not None:
+        layout = Strategy.parse(job.optimizer_layout)
+        if layout.gpus != job.gpus or not layout.is_homogeneous:
+            raise PlanError(f"optimizer layout {layout.describe()} must be homogeneous over {job.gpus} GPUs")
+    else:
+        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len)
+    cost_model = build_cost_model(profile, layout)
+    fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
+    pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed)
+    batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
+    return Planner(cost_model, job.gpus, pool, fixed), dataset, batches
+
+
+def run_plan_job(job: PlanJob, plans_out: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[PlanReport, list[StepPlan]]:
+    """Plan every step with every policy; write ``plans_out`` (JSON lines) atomically at the end."""
+    planner, dataset, batches = prepare(job)
+    plans: list[StepPlan] = []
+    per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
+    for step, batch in enumerate(batches):
+        for policy in job.policies:
+            plan = planner.plan(batch, policy)
+            per_policy[policy].append(plan)
+            plans.append(plan)
+        if progress is not None:
+            progress(step + 1, len(batches))
+    results = {
+        name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
+                           tokens=sum(sum(p.seq_lens) for p in ps))
+        for name, ps in per_policy.items()
+    }
+    bounds = tuple(per_policy[job.policies[0]][i].lower_bound_ms for i in range(len(batches)))
+    report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,
+                        lower_bound_ms=bounds, cost_model=planner.cost_model, results=results)
+    if plans_out is not None:
+        _write_atomically(plans_out, [p.to_json(step=i // len(job.policies)) for i, p in enumerate(plans)])
+    return report, plans
+
+
+def _write_atomically(path: str, lines: list[str]) -> None:
+    target = Path(path)
+    if target.parent and not target.parent.exists():
+        raise PlanError(f"cannot write {path!r}: folder {str(target.parent)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def format_report(report: PlanReport) -> str:
+    """A readable table: policies side by side, then the pool."""
+    job = report.job
+    bound = float(np.mean(report.lower_bound_ms))
+    base = report.results.get(BASELINE)
+    lines = [
+        f"{job.model if job.profile_file is None else job.profile_file} on {job.gpus} GPUs ({job.hardware}), "
+        f"dataset {report.dataset_name}, {job.global_tokens} tokens/step, {len(report.lower_bound_ms)} steps, "
+        f"seed {job.seed}",
+        f"{'policy':<22}{'step ms':>10}{'tokens/s':>11}{'vs ' + BASELINE:>24}{'/ bound':>9}"
+        f"{'solve p50':>11}{'p95':>9}",
+    ]
+    for name, r in report.results.items():
+        speedup = f"{base.est_step_ms_mean / r.est_step_ms_mean:.2f}x" if base else "-"
+        lines.append(
+            f"{name:<22}{r.est_step_ms_mean:>10.1f}{r.tokens_per_s:>11.0f}{speedup:>24}"
+            f"{r.est_step_ms_mean / bound:>9.3f}{np.percentile(r.solve_ms, 50):>9.1f}ms"
+            f"{np.percentile(r.solve_ms, 95):>7.1f}ms"
+        )
+    lines.append(f"{'lower bound':<22}{bound:>10.1f}")
+    lines.append(f"fixed strategy (baselines): {report.fixed.describe()}")
+    lines.append("hydraulis pool: " + ", ".join(s.describe() for s in report.pool))
+    return "\n".join(lines)
+
+
+def stderr_progress(done: int, total: int) -> None:
+    """A one-line progress counter on stderr when it is a terminal."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\rplanning step {done}/{total}", end=end, file=sys.stderr, flush=True)

@@ -1,0 +1,348 @@
+"""Two-stage data assignment for one strategy (DESIGN.md sections 6.3-6.4).
+
+Stage 1, dispatch: sequences to replicas, each only to replicas that can hold it, minimising the slowest
+replica (1F1B warm-up included): longest-first greedy onto the replica that finishes earliest, then local
+search on the bottleneck with estimated costs, then with exact packed costs. Tiny instances are solved
+exactly. Stage 2, packing: a replica's sequences into micro-batches of at most ``max_tokens`` tokens that
+minimise its true 1F1B time ``sum_j t_j + (pp-1) max_j t_j`` (for pp = 1: the fewest micro-batches).
+Everything is deterministic: iteration caps, no clocks, no randomness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+
+from passes.ir import CostModel, ParallelScheme, PlanError
+
+__all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", "estimate_replica_ms"]
+
+_EPS = 1e-9
+_EXACT_LIMIT = 4096  # assignments enumerated at most by the exact solve of tiny instances
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One scheme's numbers, flattened for the inner loops."""
+
+    scheme: ParallelScheme
+    a: float
+    b: float
+    c: float
+    max_tokens: int
+
+    @classmethod
+    def of(cls, cost_model: CostModel, scheme: ParallelScheme) -> "Kind":
+        e = cost_model.cost(scheme)
+        return cls(scheme, e.a, e.b, e.c, e.max_tokens)
+
+    @property
+    def pp(self) -> int:
+        return self.scheme.pp
+
+    def seq_ms(self, seq_len: int) -> float:
+        return self.a * seq_len * seq_len + self.b * seq_len
+
+
+def estimate_replica_ms(kind: Kind, work: float, tokens: int, longest: float, count: int) -> float:
+    """Fast estimate of a replica's 1F1B time from its totals, before packing: ``work`` (sum of per-sequence
+    ms), ``tokens``, the largest single sequence's ms and the sequence count. Exact for pp = 1 when the
+    sequences fit into ``ceil(tokens / max_tokens)`` micro-batches."""
+    if count == 0:
+        return 0.0
+    v_min = max(1, -(-tokens // kind.max_tokens))
+    if kind.pp == 1:
+        return work + v_min * kind.c
+    stages = kind.pp - 1
+    best = math.inf
+    v_opt = math.sqrt(stages * work / kind.c) if kind.c > 0 else float(count)
+    v_cap = count if longest <= 0 else max(v_min, min(count, int(work / longest) + 1))
+    for v in {v_min, min(count, max(v_min, math.floor(v_opt))), min(count, max(v_min, math.ceil(v_opt))), v_cap}:
+        largest = max(work / v, longest) + kind.c
+        best = min(best, work + v * kind.c + stages * largest)
+    return best
+
+
+def first_fit(seq_lens: list[int], order: list[int], cap: int) -> list[list[int]]:
+    """Each sequence, in ``order``, into the first micro-batch with room for it (at most ``cap`` tokens)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        s = seq_lens[i]
+        for b, left in enumerate(room):
+            if s <= left:
+                bins[b].append(i)
+                room[b] -= s
+                break
+        else:
+            bins.append([i])
+            room.append(cap - s)
+    return bins
+
+
+def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[list[int]]:
+    """First-fit decreasing by tokens: few micro-batches of at most ``cap`` tokens."""
+    return first_fit(seq_lens, sorted(indices, key=lambda j: (-seq_lens[j], j)), cap)
+
+
+def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: list[float],
+                  v: int) -> tuple[list[list[int]], list[float]] | None:
+    """Longest-time-first onto the least-loaded micro-batch with token room; None when it does not fit."""
+    bins: list[list[int]] = [[] for _ in range(v)]
+    load = [kind.c] * v
+    room = [kind.max_tokens] * v
+    for i in order:
+        s, best = seq_lens[i], -1
+        for b in range(v):
+            if s <= room[b] and (best < 0 or load[b] < load[best]):
+                best = b
+        if best < 0:
+            return None
+        bins[best].append(i)
+        load[best] += ms[i]
+        room[best] -= s
+    return [b for b in bins if b], [t for b, t in zip(bins, load) if b]
+
+
+def _one_f_one_b(pp: int, times: list[float]) -> float:
+    return (sum(times) + (pp - 1) * max(times)) if times else 0.0
+
+
+def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[list[list[int]], float]:
+    """Stage 2: micro-batches for one replica and its exact 1F1B time."""
+    if not indices:
+        return [], 0.0
+    if any(seq_lens[i] > kind.max_tokens for i in indices):
+        raise PlanError(f"a sequence longer than {kind.max_tokens} tokens was given to {kind.scheme.describe()}")
+    ms = {i: kind.seq_ms(seq_lens[i]) for i in indices}
+    best_bins = pack_fewest_bins(seq_lens, indices, kind.max_tokens)
+    best_ms = _one_f_one_b(kind.pp, [sum(ms[i] for i in b) + kind.c for b in best_bins])
+    if kind.pp == 1:
+        return best_bins, best_ms
+    order = sorted(indices, key=lambda j: (-seq_lens[j], j))
+    work, tokens = sum(ms.values()), sum(seq_lens[i] for i in indices)
+    v_min = max(1, -(-tokens // kind.max_tokens))
+    v_opt = math.sqrt((kind.pp - 1) * work / kind.c) if kind.c > 0 else len(indices)
+    candidates = {v_min, *range(max(v_min, math.floor(v_opt) - 1), math.ceil(v_opt) + 2)}
+    for v in sorted(v for v in candidates if v <= len(indices)):
+        packed = _balance_time(kind, order, seq_lens, ms, v)
+        if packed is None:
+            continue
+        total = _one_f_one_b(kind.pp, packed[1])
+        if total < best_ms - _EPS:
+            best_bins, best_ms = packed[0], total
+    return best_bins, best_ms
+
+
+class _Loads:
+    """Per-replica totals that make the pre-packing estimate O(1) to update."""
+
+    def __init__(self, kinds: list[Kind], seq_lens: list[int]):
+        self.kinds, self.seq_lens = kinds, seq_lens
+        tables: dict[ParallelScheme, list[float]] = {}
+        for kind in kinds:
+            if kind.scheme not in tables:
+                tables[kind.scheme] = [kind.seq_ms(s) for s in seq_lens]
+        self.w = [tables[k.scheme] for k in kinds]
+        self.members: list[list[int]] = [[] for _ in kinds]
+        self.work = [0.0] * len(kinds)
+        self.tokens = [0] * len(kinds)
+        self.longest = [0.0] * len(kinds)
+        self.est = [0.0] * len(kinds)
+
+    def longest_without(self, r: int, i: int) -> float:
+        """The largest member ms of ``r`` once ``i`` is gone."""
+        w = self.w[r]
+        if w[i] < self.longest[r]:
+            return self.longest[r]
+        return max((w[j] for j in self.members[r] if j != i), default=0.0)
+
+    def est_replace(self, r: int, out: int, into: int, longest_without_out: float | None = None) -> float:
+        """Estimate of ``r`` with member ``out`` replaced by ``into`` (either may be -1: none)."""
+        w, work, tokens, count = self.w[r], self.work[r], self.tokens[r], len(self.members[r])
+        longest = self.longest[r]
+        if out >= 0:
+            work, tokens, count = work - w[out], tokens - self.seq_lens[out], count - 1
+            longest = self.longest_without(r, out) if longest_without_out is None else longest_without_out
+        if into >= 0:
+            work, tokens, count = work + w[into], tokens + self.seq_lens[into], count + 1
+            longest = max(longest, w[into])
+        return estimate_replica_ms(self.kinds[r], work, tokens, longest, count)
+
+    def est_with(self, r: int, i: int) -> float:
+        return self.est_replace(r, -1, i)
+
+    def est_without(self, r: int, i: int) -> float:
+        return self.est_replace(r, i, -1)
+
+    def add(self, r: int, i: int) -> None:
+        self.est[r] = self.est_with(r, i)
+        self.members[r].append(i)
+        self.work[r] += self.w[r][i]
+        self.tokens[r] += self.seq_lens[i]
+        self.longest[r] = max(self.longest[r], self.w[r][i])
+
+    def remove(self, r: int, i: int) -> None:
+        self.est[r] = self.est_without(r, i)
+        self.longest[r] = self.longest_without(r, i)
+        self.members[r].remove(i)
+        self.work[r] -= self.w[r][i]
+        self.tokens[r] -= self.seq_lens[i]
+
+
+def _groups(kinds: list[Kind]) -> list[list[int]]:
+    """Replica indices grouped by scheme, in first-seen order."""
+    by_scheme: dict[ParallelScheme, list[int]] = {}
+    for r, kind in enumerate(kinds):
+        by_scheme.setdefault(kind.scheme, []).append(r)
+    return list(by_scheme.values())
+
+
+def _greedy(loads: _Loads, groups: list[list[int]]) -> None:
+    """Longest first, each onto the replica (the least loaded of each scheme) that finishes earliest."""
+    seq_lens = loads.seq_lens
+    heaps = [[(0.0, r) for r in g] for g in groups]
+    for i in sorted(range(len(seq_lens)), key=lambda j: (-seq_lens[j], j)):
+        best: tuple[float, int, int] | None = None
+        for g, heap in enumerate(heaps):
+            if seq_lens[i] > loads.kinds[groups[g][0]].max_tokens:
+                continue
+            while heap[0][0] != loads.est[heap[0][1]]:
+                heapq.heappop(heap)
+            r = heap[0][1]
+            new = loads.est_with(r, i)
+            if best is None or new < best[0] - _EPS:
+                best = (new, r, g)
+        if best is None:
+            raise PlanError(f"sequence {i} of {seq_lens[i]} tokens fits no replica of this strategy")
+        _, r, g = best
+        loads.add(r, i)
+        heapq.heappush(heaps[g], (loads.est[r], r))
+
+
+def _receivers(cost: list[float], groups: list[list[int]], exclude: int, per_group: int) -> list[int]:
+    out = []
+    for g in groups:
+        out.extend(sorted((r for r in g if r != exclude), key=lambda r: (cost[r], r))[:per_group])
+    return out
+
+
+def _best_move(loads: _Loads, r: int, receivers: list[int]) -> tuple[float, int, int, int] | None:
+    """The move or swap off bottleneck ``r`` that lowers max(r, receiver) the most: (new max, i, q, j|-1)."""
+    target, seq_lens, kinds = loads.est[r], loads.seq_lens, loads.kinds
+    best = None
+    for i in sorted(loads.members[r], key=lambda j: (-seq_lens[j], j)):
+        c_r = loads.est_without(r, i)
+        for q in receivers:
+            if seq_lens[i] > kinds[q].max_tokens:
+                continue
+            m = max(c_r, loads.est_with(q, i))
+            if m < target - _EPS and (best is None or m < best[0] - _EPS):
+                best = (m, i, q, -1)
+    if best is not None:
+        return best
+    for i in sorted(loads.members[r], key=lambda j: (-seq_lens[j], j))[:8]:
+        r_longest = loads.longest_without(r, i)
+        for q in receivers:
+            if seq_lens[i] > kinds[q].max_tokens:
+                continue
+            for j in loads.members[q]:
+                if seq_lens[j] >= seq_lens[i] or seq_lens[j] > kinds[r].max_tokens:
+                    continue
+                m = max(loads.est_replace(r, i, j, r_longest), loads.est_replace(q, j, i))
+                if m < target - _EPS and (best is None or m < best[0] - _EPS):
+                    best = (m, i, q, j)
+    return best
+
+
+def _improve_estimates(loads: _Loads, groups: list[list[int]], rounds: int) -> None:
+    """Local search on the bottleneck replica with the pre-packing estimate."""
+    for _ in range(rounds):
+        r = max(range(len(loads.kinds)), key=lambda q: (loads.est[q], -q))
+        found = _best_move(loads, r, _receivers(loads.est, groups, r, per_group=2))
+        if found is None:
+            return
+        _, i, q, j = found
+        loads.remove(r, i)
+        loads.add(q, i)
+        if j >= 0:
+            loads.remove(q, j)
+            loads.add(r, j)
+
+
+class _Exact:
+    """Exact packed cost of a member set, cached."""
+
+    def __init__(self, kinds: list[Kind], seq_lens: list[int]):
+        self.kinds, self.seq_lens = kinds, seq_lens
+        self.cache: dict[tuple[ParallelScheme, tuple[int, ...]], tuple[list[list[int]], float]] = {}
+
+    def pack(self, r: int, members: list[int]) -> tuple[list[list[int]], float]:
+        key = (self.kinds[r].scheme, tuple(sorted(members)))
+        if key not in self.cache:
+            self.cache[key] = pack_replica(self.kinds[r], self.seq_lens, list(key[1]))
+        return self.cache[key]
+
+    def ms(self, r: int, members: list[int]) -> float:
+        return self.pack(r, members)[1]
+
+
+def _improve_exact(exact: _Exact, members: list[list[int]], groups: list[list[int]], rounds: int) -> None:
+    """Local search with exact packed costs: moves off the bottleneck replica."""
+    seq_lens, kinds = exact.seq_lens, exact.kinds
+    cost = [exact.ms(r, m) for r, m in enumerate(members)]
+    for _ in range(rounds):
+        r = max(range(len(kinds)), key=lambda q: (cost[q], -q))
+        best = None
+        by_length = sorted(members[r], key=lambda j: (-seq_lens[j], j))
+        tried = by_length if len(by_length) <= 16 else by_length[:8] + by_length[-8:]
+        for i in tried:
+            rest = [j for j in members[r] if j != i]
+            c_r = exact.ms(r, rest)
+            for q in _receivers(cost, groups, r, per_group=1):
+                if seq_lens[i] > kinds[q].max_tokens:
+                    continue
+                m = max(c_r, exact.ms(q, members[q] + [i]))
+                if m < cost[r] - _EPS and (best is None or m < best[0] - _EPS):
+                    best = (m, i, q, rest)
+        if best is None:
+            return
+        _, i, q, rest = best
+        members[r], members[q] = rest, members[q] + [i]
+        cost[r], cost[q] = exact.ms(r, rest), exact.ms(q, members[q])
+
+
+def _solve_exactly(exact: _Exact, n: int) -> list[list[int]] | None:
+    """Every assignment of a tiny batch, when there are few enough; the one with the least max time."""
+    kinds, seq_lens = exact.kinds, exact.seq_lens
+    options = [[r for r, k in enumerate(kinds) if seq_lens[i] <= k.max_tokens] for i in range(n)]
+    if math.prod(len(o) for o in options) > _EXACT_LIMIT:
+        return None
+    best, best_members = math.inf, None
+    for choice in itertools.product(*options):
+        members: list[list[int]] = [[] for _ in kinds]
+        for i, r in enumerate(choice):
+            members[r].append(i)
+        worst = max(exact.ms(r, m) for r, m in enumerate(members))
+        if worst < best - _EPS:
+            best, best_members = worst, members
+    return best_members
+
+
+def dispatch(kinds: list[Kind], seq_lens: list[int], rounds: int = 64) -> list[tuple[list[list[int]], float]]:
+    """Stages 1 and 2 for one strategy: per replica (in ``kinds`` order), its micro-batches and exact ms."""
+    longest = max(seq_lens)
+    if longest > max(k.max_tokens for k in kinds):
+        raise PlanError(f"a sequence of {longest} tokens fits no replica of this strategy")
+    groups = _groups(kinds)
+    exact = _Exact(kinds, seq_lens)
+    members = _solve_exactly(exact, len(seq_lens))
+    if members is None:
+        loads = _Loads(kinds, seq_lens)
+        _greedy(loads, groups)
+        _improve_estimates(loads, groups, rounds)
+        members = loads.members
+        _improve_exact(exact, members, groups, rounds=max(4, rounds // 8))
+    return [exact.pack(r, m) for r, m in enumerate(members)]

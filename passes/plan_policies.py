@@ -1,0 +1,250 @@
+"""Planner policies, side by side (DESIGN.md sections 6.2 and 6.5), and the per-step lower bound.
+
+- ``padding``: the fixed homogeneous strategy; sequences in arrival order grouped into micro-batches padded
+  to their longest member, dealt round-robin to replicas.
+- ``fixed-packing``: the fixed strategy; arrival order, first-fit into micro-batches of the token budget,
+  dealt round-robin.
+- ``homogeneous-token``: the fixed strategy (what a Megatron user configures: one homogeneous strategy sized
+  for the dataset's longest sequence); sequences balanced by tokens over replicas, then packed into the
+  fewest micro-batches balanced by tokens.
+- ``homogeneous-per-step``: each step the best homogeneous strategy that holds the batch, with the
+  quadratic-aware two-stage assignment.
+- ``hydraulis``: each step the best strategy of the data-aware pool, with the two-stage assignment.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from passes.datasets import check_batch
+from passes.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
+from passes.plan_assign import Kind, dispatch, first_fit
+from passes.plan_placement import assign_ranks, usable_schemes
+from passes.plan_pool import fluid_estimate
+
+__all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
+
+POLICIES = ("padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step", "hydraulis")
+
+
+def homogeneous_strategies(cost_model: CostModel, gpus: int) -> list[Strategy]:
+    """Every homogeneous strategy of usable schemes that fills ``gpus`` exactly."""
+    return [Strategy.homogeneous(s, gpus) for s in usable_schemes(cost_model, gpus) if gpus % s.gpus == 0]
+
+
+def sized_homogeneous(cost_model: CostModel, gpus: int, longest: int) -> Strategy:
+    """The baselines' fixed strategy: homogeneous, fewest GPUs per replica (then fewest stages) that holds
+    ``longest``; what a user of a homogeneous system configures for the whole run."""
+    options = [s for s in homogeneous_strategies(cost_model, gpus) if cost_model.max_tokens(s.schemes[0]) >= longest]
+    if not options:
+        supported = max((cost_model.max_tokens(s.schemes[0]) for s in homogeneous_strategies(cost_model, gpus)),
+                        default=0)
+        raise PlanError(f"a sequence of {longest} tokens fits no homogeneous strategy on {gpus} GPUs "
+                        f"(longest supported: {supported} tokens)")
+    return min(options, key=lambda s: (s.schemes[0].gpus, s.schemes[0].pp, s.describe()))
+
+
+def _bound_terms(cost_model: CostModel, schemes: list, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence: least GPU-ms (area) and least single-sequence latency over ``schemes`` that hold it."""
+    area = np.full(len(seq_lens), np.inf)
+    latency = np.full(len(seq_lens), np.inf)
+    s = seq_lens.astype(np.float64)
+    for scheme in schemes:
+        e = cost_model.cost(scheme)
+        fits = seq_lens <= e.max_tokens
+        per_seq = e.a * s * s + e.b * s
+        area = np.where(fits, np.minimum(area, scheme.gpus * (per_seq + e.c * s / e.max_tokens)), area)
+        latency = np.where(fits, np.minimum(latency, scheme.pp * (per_seq + e.c)), latency)
+    return area, latency
+
+
+def lower_bound_ms(cost_model: CostModel, gpus: int, seq_lens: list[int], schemes: list | None = None) -> float:
+    """``max(sum_i min_k g_k (a_k s_i^2 + b_k s_i + c_k s_i / mt_k) / N, max_i min_k pp_k T_k(s_i))``, each
+    min over every scheme that fits in ``gpus`` and holds ``s_i`` (DESIGN.md section 6.2); with ``schemes``
+    given, over those only (a bound for strategies made of them)."""
+    if schemes is None:
+        schemes = [s for s in cost_model.schemes if s.gpus <= gpus]
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    area, latency = _bound_terms(cost_model, schemes, lens)
+    if not np.isfinite(area).all():
+        raise _too_long(cost_model, gpus, int(lens[~np.isfinite(area)].max()))
+    return float(max(area.sum() / gpus, latency.max()))
+
+
+def _too_long(cost_model: CostModel, gpus: int, seq_len: int) -> PlanError:
+    supported = max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)), default=0)
+    return PlanError(f"a sequence of {seq_len} tokens is longer than every scheme can hold on {gpus} GPUs "
+                     f"(longest supported: {supported} tokens)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Assignment:
+    strategy: Strategy
+    replicas: tuple[ReplicaPlan, ...]
+    est_ms: float
+
+
+class Planner:
+    """Plans steps for one cost model and cluster with any policy of ``POLICIES``."""
+
+    def __init__(self, cost_model: CostModel, gpus: int, pool: list[Strategy], fixed: Strategy,
+                 rounds: int = 64, prune_above: float = 1.02):
+        self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
+        for strategy in [*pool, fixed]:
+            self._check_strategy(strategy)
+        self.pool, self.fixed = list(pool), fixed
+        self.homogeneous = homogeneous_strategies(cost_model, gpus)
+
+    def _check_strategy(self, strategy: Strategy) -> None:
+        if strategy.gpus != self.gpus:
+            raise PlanError(f"strategy {strategy.describe()} uses {strategy.gpus} GPUs, the cluster has {self.gpus}")
+        bad = self.cost_model.fits(strategy)
+        if bad:
+            raise PlanError(f"strategy {strategy.describe()} has schemes the cost model cannot run: "
+                            f"{', '.join(s.describe() for s in bad)}")
+        assign_ranks(strategy, self.cost_model.gpus_per_node)
+
+    def plan(self, seq_lens: list[int], policy: str = "hydraulis", strategy: Strategy | None = None) -> StepPlan:
+        """One step's plan under ``policy`` (or, with ``strategy`` given, that strategy with the two-stage
+        assignment); raises PlanError for a bad batch, policy or strategy."""
+        if policy not in POLICIES:
+            raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        seq_lens = check_batch(list(seq_lens))
+        bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens)
+        started = time.perf_counter()
+        if strategy is not None:
+            self._check_strategy(strategy)
+            if not self._holds(strategy, max(seq_lens)):
+                raise PlanError(f"strategy {strategy.describe()} cannot hold a sequence of {max(seq_lens)} tokens")
+            best, policy = self._two_stage(strategy, seq_lens), "forced"
+        elif policy in ("padding", "fixed-packing", "homogeneous-token"):
+            best = self._baseline(policy, seq_lens)
+        else:
+            candidates = self.pool if policy == "hydraulis" else self.homogeneous
+            best = self._best_of(candidates, seq_lens)
+        solve_ms = (time.perf_counter() - started) * 1e3
+        return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
+                        est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms)
+
+    def _holds(self, strategy: Strategy, longest: int) -> bool:
+        return max(self.cost_model.max_tokens(s) for s in strategy.schemes) >= longest
+
+    def _best_of(self, candidates: list[Strategy], seq_lens: list[int]) -> _Assignment:
+        longest = max(seq_lens)
+        usable = [s for s in candidates if self._holds(s, longest)]
+        if not usable:  # the pool was built for shorter data: fall back to every homogeneous strategy
+            usable = [s for s in self.homogeneous if self._holds(s, longest)]
+        if not usable:
+            raise _too_long(self.cost_model, self.gpus, longest)
+        ranked = sorted(((fluid_estimate(self.cost_model, s, seq_lens), s.describe(), s) for s in usable),
+                        key=lambda x: x[:2])
+        best = None
+        for fluid, _, strategy in ranked:
+            if best is not None and fluid > best.est_ms * self.prune_above:
+                break  # later strategies are predicted clearly slower than the best plan found
+            if best is not None and lower_bound_ms(self.cost_model, self.gpus, seq_lens, list(strategy.schemes)) >= best.est_ms:
+                continue  # provably no better
+            candidate = self._two_stage(strategy, seq_lens)
+            if best is None or candidate.est_ms < best.est_ms - 1e-9:
+                best = candidate
+        return best
+
+    def _kinds(self, strategy: Strategy) -> list[Kind]:
+        return [Kind.of(self.cost_model, s) for s in strategy.replicas()]
+
+    def _two_stage(self, strategy: Strategy, seq_lens: list[int]) -> _Assignment:
+        kinds = self._kinds(strategy)
+        packed = dispatch(kinds, seq_lens, rounds=self.rounds)
+        return self._assemble(strategy, kinds, [bins for bins, _ in packed], [ms for _, ms in packed])
+
+    def _assemble(self, strategy: Strategy, kinds: list[Kind], bins_per_replica: list[list[list[int]]],
+                  ms_per_replica: list[float]) -> _Assignment:
+        ranks = assign_ranks(strategy, self.cost_model.gpus_per_node)
+        replicas = tuple(
+            ReplicaPlan(scheme=k.scheme, ranks=rk, max_tokens=k.max_tokens, est_ms=ms,
+                        micro_batches=tuple(tuple(sorted(b)) for b in bins))
+            for k, rk, bins, ms in zip(kinds, ranks, bins_per_replica, ms_per_replica)
+        )
+        return _Assignment(strategy=strategy, replicas=replicas, est_ms=max(ms_per_replica))
+
+    def _baseline(self, policy: str, seq_lens: list[int]) -> _Assignment:
+        strategy = self.fixed
+        if not self._holds(strategy, max(seq_lens)):
+            raise PlanError(f"policy {policy}: a sequence of {max(seq_lens)} tokens does not fit the fixed strategy "
+                            f"{strategy.describe()} (holds {self.cost_model.max_tokens(strategy.schemes[0])})")
+        kinds = self._kinds(strategy)
+        kind = kinds[0]
+        if policy == "homogeneous-token":
+            bins = _token_balanced(seq_lens, len(kinds), kind.max_tokens)
+            return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins])
+        if policy == "fixed-packing":
+            micro = first_fit(seq_lens, list(range(len(seq_lens))), kind.max_tokens)
+            bins = [micro[r::len(kinds)] for r in range(len(kinds))]
+            return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins])
+        micro = _padded_in_order(seq_lens, kind.max_tokens)
+        bins = [micro[r::len(kinds)] for r in range(len(kinds))]
+        return self._assemble(strategy, kinds, bins, [_padded_replica_ms(kind, seq_lens, b) for b in bins])
+
+
+def _micro_ms(kind: Kind, seq_lens: list[int], micro: list[int]) -> float:
+    return sum(kind.seq_ms(seq_lens[i]) for i in micro) + kind.c
+
+
+def _replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]]) -> float:
+    return CostModel.replica_ms(kind.scheme, [_micro_ms(kind, seq_lens, m) for m in micro_batches])
+
+
+def _padded_replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]]) -> float:
+    """Without varlen attention every member pays for the micro-batch's longest length."""
+    times = [len(m) * kind.seq_ms(max(seq_lens[i] for i in m)) + kind.c for m in micro_batches]
+    return CostModel.replica_ms(kind.scheme, times)
+
+
+def _token_balanced(seq_lens: list[int], replicas: int, cap: int) -> list[list[list[int]]]:
+    """Megatron-style: sequences to the replica with the fewest tokens, then the fewest micro-batches per
+    replica, each sequence onto the micro-batch with the fewest tokens that has room."""
+    shares: list[list[int]] = [[] for _ in range(replicas)]
+    tokens = [0] * replicas
+    for i in sorted(range(len(seq_lens)), key=lambda j: (-seq_lens[j], j)):
+        r = min(range(replicas), key=lambda q: (tokens[q], q))
+        shares[r].append(i)
+        tokens[r] += seq_lens[i]
+    return [_token_bins(seq_lens, share, cap) for share in shares]
+
+
+def _token_bins(seq_lens: list[int], share: list[int], cap: int) -> list[list[int]]:
+    if not share:
+        return []
+    v = max(1, -(-sum(seq_lens[i] for i in share) // cap))
+    while True:
+        bins: list[list[int]] = [[] for _ in range(v)]
+        fill = [0] * v
+        for i in share:  # already longest first
+            options = [b for b in range(v) if fill[b] + seq_lens[i] <= cap]
+            if not options:
+                break
+            b = min(options, key=lambda k: (fill[k], k))
+            bins[b].append(i)
+            fill[b] += seq_lens[i]
+        else:
+            return bins
+        v += 1
+
+
+def _padded_in_order(seq_lens: list[int], cap: int) -> list[list[int]]:
+    """Consecutive sequences while ``count * longest <= cap``."""
+    micro: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, s in enumerate(seq_lens):
+        if current and (len(current) + 1) * max(longest, s) > cap:
+            micro.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, s)
+    if current:
+        micro.append(current)
+    return micro

@@ -1,0 +1,194 @@
+"""The data-aware strategy pool (DESIGN.md section 6.1), built offline from a length histogram.
+
+Batch maxima are split into tiers at the schemes' ``max_tokens``; a batch whose longest sequence falls in
+tier t needs a replica that holds up to tier t's cap. For each tier we draw batches conditioned on their
+maximum falling in it and pick the strategy with the least expected makespan among the homogeneous ones and
+every two-scheme mix (a "big" scheme that holds the tier, replicas of a smaller scheme for the bulk), GPU
+counts filling the cluster and TP groups tiling the nodes. The makespan of a mix is estimated in the fluid
+limit: the big replicas take the sequences relatively cheapest for them (the ones only they hold first),
+with the 1F1B warm-up and the per-micro-batch cost included. The pool is the tiers' winners plus the fixed
+homogeneous strategy sized for the dataset's longest sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numpy as np
+
+from passes.datasets import LengthDataset
+from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
+from passes.plan_assign import Kind
+from passes.plan_placement import placeable, usable_schemes
+
+__all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate"]
+
+_SPLIT_POINTS = 257
+
+
+def tier_caps(cost_model: CostModel, gpus: int, longest: int) -> list[int]:
+    """Distinct ``max_tokens`` of usable schemes, ascending, up to the first that holds ``longest``."""
+    caps = sorted({cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)})
+    covering = [c for c in caps if c >= longest]
+    if not covering:
+        raise PlanError(f"a sequence of {longest} tokens is longer than every scheme can hold on {gpus} GPUs "
+                        f"(longest supported: {caps[-1] if caps else 0} tokens)")
+    return [c for c in caps if c <= covering[0]]
+
+
+def conditional_batches(dataset: LengthDataset, global_tokens: int, low: int, high: int, count: int,
+                        rng: np.random.Generator) -> list[np.ndarray]:
+    """Batches of ``global_tokens`` whose longest sequence lies in ``(low, high]``: one sequence drawn from
+    that range, the rest from lengths ``<= high``, the last truncated. Empty when the range holds no data."""
+    lengths = np.asarray(dataset.lengths, dtype=np.int64)
+    weights = np.asarray(dataset.counts, dtype=np.float64)
+    top = (lengths > low) & (lengths <= high)
+    body = lengths <= high
+    if not top.any():
+        return []
+    top_p, body_p = weights * top / weights[top].sum(), weights * body / weights[body].sum()
+    mean = float(np.dot(lengths, body_p))
+    batches = []
+    for _ in range(count):
+        first = int(rng.choice(lengths, p=top_p))
+        rest = rng.choice(lengths, size=int(2 * global_tokens / mean) + 16, p=body_p)
+        seqs = np.concatenate(([first], rest))
+        ends = np.cumsum(seqs)
+        n = int(np.searchsorted(ends, global_tokens)) + 1
+        seqs = seqs[:n].copy()
+        seqs[-1] -= int(ends[n - 1] - global_tokens)
+        batches.append(seqs[seqs > 0])
+    return batches
+
+
+def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Fluid 1F1B time of one of ``n`` equal replicas sharing ``work`` ms over ``tokens``."""
+    w, t = work / n, tokens / n
+    busy = np.where(work > 0, 1.0, 0.0)
+    v_min = np.maximum(1.0, t / k.max_tokens)
+    if k.pp == 1:
+        return busy * np.maximum(w + k.c * v_min, longest + k.c)
+    v = np.maximum(v_min, np.sqrt((k.pp - 1) * w / k.c)) if k.c > 0 else np.maximum(v_min, 1.0)
+    return busy * (w + v * k.c + (k.pp - 1) * (np.maximum(w / v, longest) + k.c))
+
+
+def _split_grid(seqs_desc: np.ndarray, caps: list[int], parts: int) -> np.ndarray:
+    """Candidate segment boundaries (rows of ``parts - 1`` ascending indices) over the sorted batch."""
+    n = len(seqs_desc)
+    points = set(np.linspace(0, n, min(n + 1, _SPLIT_POINTS if parts == 2 else 49)).astype(int).tolist())
+    points.update(int(np.sum(seqs_desc > c)) for c in caps)  # where a scheme stops holding the sequences
+    grid = np.array(sorted(points))
+    if parts == 1:
+        return np.zeros((1, 0), dtype=int)
+    if parts == 2:
+        return grid[:, None]
+    first, second = np.meshgrid(grid, grid, indexing="ij")
+    keep = first <= second
+    return np.stack((first[keep], second[keep]), axis=1)
+
+
+def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """Estimated makespan on one batch of strategies made of ``types`` (largest capacity first), one row of
+    replica counts per strategy in ``counts`` (shape C x K). Type k takes the k-th segment of the batch
+    sorted longest first; the best segment boundaries are searched on a grid."""
+    s = np.sort(seqs.astype(np.float64))[::-1]
+    n = len(s)
+    tokens = np.concatenate(([0.0], np.cumsum(s)))
+    bounds = _split_grid(s, [t.max_tokens for t in types], len(types))
+    starts = np.concatenate((np.zeros((len(bounds), 1), dtype=int), bounds), axis=1)
+    ends = np.concatenate((bounds, np.full((len(bounds), 1), n)), axis=1)
+    worst = np.zeros((counts.shape[0], len(bounds)))
+    for k, t in enumerate(types):
+        w = t.a * s * s + t.b * s
+        prefix = np.concatenate(([0.0], np.cumsum(w)))
+        lo, hi = starts[:, k], ends[:, k]
+        empty = hi <= lo
+        head = np.minimum(lo, n - 1)
+        feasible = empty | (s[head] <= t.max_tokens)
+        longest = np.where(empty, 0.0, w[head])
+        ms = _type_ms(t, prefix[hi] - prefix[lo], tokens[hi] - tokens[lo], longest,
+                      counts[:, k:k + 1].astype(np.float64))
+        worst = np.maximum(worst, np.where(feasible, ms, np.inf))
+    return worst.min(axis=1)
+
+
+def fluid_estimate(cost_model: CostModel, strategy: Strategy, seq_lens: list[int]) -> float:
+    """The fluid makespan estimate of one strategy on one batch (inf when it cannot hold the batch)."""
+    types = sorted(strategy.schemes, key=lambda t: (-cost_model.max_tokens(t), -t.gpus))
+    counts = np.array([[dict(strategy.parts)[t] for t in types]])
+    coeffs = [Kind.of(cost_model, t) for t in types]
+    return float(fluid_makespan(coeffs, counts, np.asarray(seq_lens, dtype=np.int64))[0])
+
+
+def _mixes(cost_model: CostModel, gpus: int, types: list[ParallelScheme],
+           limits: list[int] | None = None) -> list[Strategy]:
+    """Every placeable strategy with at least one replica of each of ``types`` that fills ``gpus`` exactly:
+    the leading types take 1..limit replicas each, the last type takes the GPUs that remain."""
+    *head, last = types
+    limits = limits or [gpus // t.gpus for t in head]
+    out = []
+    for counts in itertools.product(*(range(1, n + 1) for n in limits)):
+        rest = gpus - sum(n * t.gpus for n, t in zip(counts, head))
+        if rest <= 0 or rest % last.gpus:
+            continue
+        strategy = Strategy.of(list(zip(head, counts)) + [(last, rest // last.gpus)])
+        if placeable(strategy, cost_model.gpus_per_node):
+            out.append(strategy)
+    return out
+
+
+def _score(cost_model: CostModel, types: list[ParallelScheme], mixes: list[Strategy],
+           batches: list[np.ndarray]) -> list[tuple[float, str, Strategy]]:
+    coeffs = [Kind.of(cost_model, t) for t in types]
+    counts = np.array([[dict(m.parts).get(t, 0) for t in types] for m in mixes])
+    mean = sum(fluid_makespan(coeffs, counts, b) for b in batches) / len(batches)
+    return [(float(score), m.describe(), m) for score, m in zip(mean, mixes)]
+
+
+def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.ndarray],
+                  keep: int) -> list[Strategy]:
+    """The ``keep`` best one- or two-scheme strategies for the tier, the best first, after replacing the
+    best by its best three-scheme refinement when that is better still."""
+    schemes = usable_schemes(cost_model, gpus)
+    mt = cost_model.max_tokens
+    scored: list[tuple[float, str, Strategy]] = []
+    for big in (s for s in schemes if mt(s) >= cap):
+        for small in [None, *(s for s in schemes if mt(s) < mt(big))]:
+            types = [big] if small is None else [big, small]
+            mixes = _mixes(cost_model, gpus, types, limits=None if small is not None else [])
+            if mixes:
+                scored.extend(_score(cost_model, types, mixes, batches))
+    if not scored:
+        raise PlanError(f"no strategy fills {gpus} GPUs with a replica that holds {cap} tokens")
+    scored.sort(key=lambda x: x[:2])
+    best = scored[0]
+    if len(best[2].parts) == 2:
+        (big, _), (small, _) = best[2].parts
+        for middle in (s for s in schemes if mt(small) < mt(s) < mt(big)):
+            types = [big, middle, small]
+            mixes = _mixes(cost_model, gpus, types, limits=[dict(best[2].parts)[big], 4])
+            if mixes:
+                best = min([best, *_score(cost_model, types, mixes, batches)], key=lambda x: x[:2])
+    return [best[2]] + [x[2] for x in scored[:keep] if x[2] != best[2]][: keep - 1]
+
+
+def build_pool(cost_model: CostModel, gpus: int, dataset: LengthDataset, global_tokens: int, fixed: Strategy,
+               seed: int = 0, batches_per_tier: int | None = None, per_tier: int = 2) -> list[Strategy]:
+    """The pool: the ``per_tier`` best strategies of each length tier that the data reaches, plus ``fixed``;
+    deterministic per seed."""
+    caps = tier_caps(cost_model, gpus, dataset.max_len)
+    if batches_per_tier is None:  # fewer draws when each batch is large: the estimate averages more sequences
+        per_batch = max(1.0, global_tokens / dataset.mean_len)
+        batches_per_tier = int(np.clip(4000 / per_batch, 4, 24))
+    rng = np.random.default_rng(seed)
+    pool: list[Strategy] = []
+    low = 0
+    for cap in caps:
+        batches = conditional_batches(dataset, global_tokens, low, cap, batches_per_tier, rng)
+        if batches:
+            for winner in _tier_winners(cost_model, gpus, cap, batches, per_tier):
+                if winner not in pool:
+                    pool.append(winner)
+        low = cap
+    if fixed not in pool:
+        pool.append(fixed)
+    return pool

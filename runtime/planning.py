@@ -1,0 +1,72 @@
+"""Planning off the critical path: rank 0 plans step i+1 in a background thread while step i runs, then
+broadcasts the plan so that every rank runs the same one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from passes.ir import StepPlan, Strategy
+from passes.plan_policies import Planner
+
+__all__ = ["PlanService", "PlannedStep"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannedStep:
+    """A broadcast plan and how its planning went."""
+
+    plan: StepPlan
+    """The plan every rank runs."""
+    plan_ms: float
+    """Planning wall time on rank 0."""
+    hidden: bool
+    """Whether planning had finished before the plan was needed (hidden behind the previous step)."""
+
+
+class PlanService:
+    """``submit`` the next batch's lengths as soon as they are known; ``take`` the plan when it is needed."""
+
+    def __init__(self, planner: Planner, rank: int, policy: str = "hydraulis"):
+        self.planner, self.rank, self.policy = planner, rank, policy
+        self._thread: threading.Thread | None = None
+        self._result: tuple[StepPlan | None, float, BaseException | None] = (None, 0.0, None)
+
+    def submit(self, seq_lens: list[int], strategy: Strategy | None = None) -> None:
+        """Start planning (on rank 0; other ranks do nothing)."""
+        if self.rank != 0:
+            return
+        if self._thread is not None:
+            raise RuntimeError("a plan was submitted and not taken yet")
+
+        def work() -> None:
+            started = time.perf_counter()
+            try:
+                plan = self.planner.plan(seq_lens, self.policy, strategy=strategy)
+                self._result = (plan, (time.perf_counter() - started) * 1e3, None)
+            except BaseException as exc:  # re-raised on the calling thread in take()
+                self._result = (None, 0.0, exc)
+
+        self._thread = threading.Thread(target=work, name="hcompile-planner", daemon=True)
+        self._thread.start()
+
+    def take(self) -> PlannedStep:
+        """The submitted plan, broadcast from rank 0 (collective: every rank calls it)."""
+        payload: list = [None]
+        if self.rank == 0:
+            if self._thread is None:
+                raise RuntimeError("take() without submit()")
+            hidden = not self._thread.is_alive()
+            self._thread.join()
+            self._thread = None
+            plan, plan_ms, error = self._result
+            payload = [(plan, plan_ms, hidden, None if error is None else f"{type(error).__name__}: {error}")]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        plan, plan_ms, hidden, error = payload[0]
+        if error is not None:
+            raise RuntimeError(f"planning failed on rank 0: {error}")
+        return PlannedStep(plan=plan, plan_ms=plan_ms, hidden=hidden)

@@ -1,0 +1,123 @@
+"""Cluster topology and replica placement.
+
+The cluster is a networkx graph: one vertex per device (rank) and one per node switch; intra-node links
+carry ``intra_node_gbps``, node uplinks ``inter_node_gbps``. A strategy's replicas are placed on contiguous,
+node-aligned ranks (``passes.plan_placement``) and the placement is checked against the graph: every TP group
+lies inside one node or spans whole nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from passes.ir import PlanError, Strategy
+from passes.plan_placement import assign_ranks
+
+__all__ = ["Cluster", "Placement", "place"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """Devices grouped into nodes, with link bandwidths."""
+
+    world_size: int
+    """Ranks (devices) in the job."""
+    gpus_per_node: int = 8
+    """Devices per node."""
+    intra_node_gbps: float = 400.0
+    """Bandwidth of a link inside a node (GB/s)."""
+    inter_node_gbps: float = 25.0
+    """Bandwidth of a node's uplink (GB/s)."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
+            raise PlanError(f"world_size {self.world_size} is not a whole number of nodes of {self.gpus_per_node}")
+        for name in ("intra_node_gbps", "inter_node_gbps"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @classmethod
+    def local(cls, world_size: int) -> "Cluster":
+        """All ranks on this one machine: a single node."""
+        return cls(world_size=world_size, gpus_per_node=world_size)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the cluster."""
+        return max(1, self.world_size // self.gpus_per_node)
+
+    def node_of(self, rank: int) -> int:
+        """The node that holds ``rank``."""
+        return rank // self.gpus_per_node
+
+    def graph(self) -> nx.Graph:
+        """Devices ``("gpu", r)`` linked to their node's switch ``("node", n)``; switches linked together."""
+        g = nx.Graph()
+        for n in range(self.nodes):
+            g.add_node(("node", n))
+        for r in range(self.world_size):
+            g.add_edge(("gpu", r), ("node", self.node_of(r)), gbps=self.intra_node_gbps)
+        for a in range(self.nodes):
+            for b in range(a + 1, self.nodes):
+                g.add_edge(("node", a), ("node", b), gbps=self.inter_node_gbps)
+        return g
+
+    def slowest_link_gbps(self, ranks: tuple[int, ...]) -> float:
+        """The bottleneck bandwidth of a group: the slowest link on the paths between its members."""
+        g = self.graph()
+        worst = float("inf")
+        for r in ranks[1:]:
+            path = nx.shortest_path(g, ("gpu", ranks[0]), ("gpu", r))
+            worst = min(worst, min(g.edges[u, v]["gbps"] for u, v in zip(path, path[1:])))
+        return worst
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Where a strategy runs: per replica its ranks and, per pipeline stage, its TP group."""
+
+    strategy: Strategy
+    """The strategy placed."""
+    replica_ranks: tuple[tuple[int, ...], ...]
+    """Ranks of each replica, in ``strategy.replicas()`` order, stage-major."""
+
+    def replica_of(self, rank: int) -> int:
+        """Index of the replica that holds ``rank``."""
+        for i, ranks in enumerate(self.replica_ranks):
+            if rank in ranks:
+                return i
+        raise PlanError(f"rank {rank} is not placed by {self.strategy.describe()}")
+
+    def tp_groups(self, replica: int) -> tuple[tuple[int, ...], ...]:
+        """One TP group (ranks) per pipeline stage of ``replica``."""
+        scheme = self.strategy.replicas()[replica]
+        ranks, width = self.replica_ranks[replica], scheme.tp * scheme.cp
+        return tuple(ranks[s * width:(s + 1) * width] for s in range(scheme.pp))
+
+    def stage_of(self, rank: int) -> tuple[int, int, int]:
+        """(replica, pipeline stage, rank within the TP group) of ``rank``."""
+        replica = self.replica_of(rank)
+        for stage, group in enumerate(self.tp_groups(replica)):
+            if rank in group:
+                return replica, stage, group.index(rank)
+        raise AssertionError("unreachable")
+
+
+def place(strategy: Strategy, cluster: Cluster) -> Placement:
+    """Place ``strategy`` on ``cluster``; a TP group never crosses a node boundary it does not fill."""
+    if strategy.gpus != cluster.world_size:
+        raise PlanError(f"strategy {strategy.describe()} needs {strategy.gpus} ranks, the job has "
+                        f"{cluster.world_size}")
+    placement = Placement(strategy=strategy, replica_ranks=assign_ranks(strategy, cluster.gpus_per_node))
+    for replica in range(len(placement.replica_ranks)):
+        for group in placement.tp_groups(replica):
+            nodes = {cluster.node_of(r) for r in group}
+            if len(nodes) > 1 and len(group) % cluster.gpus_per_node:
+                raise PlanError(f"TP group {group} of {strategy.describe()} crosses a node boundary")
+    return placement

@@ -1,0 +1,76 @@
+"""`hcompile plan`: the table, --json, --plans-out, an exact batch, and exit status 2 for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hcompile.cli import main
+
+FAST = ["--gpus", "64", "--global-tokens", "40000", "--steps", "2"]
+
+
+def test_json_summary_has_every_field(capsys):
+    assert main(["plan", *FAST, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("model", "hardware", "gpus", "dataset", "global_tokens", "steps", "seed", "pool",
+                "lower_bound_ms_mean", "policies"):
+        assert key in out
+    assert set(out["policies"]) == {"padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step",
+                                    "hydraulis"}
+    for numbers in out["policies"].values():
+        assert set(numbers) == {"est_step_ms_mean", "tokens_per_s", "solve_ms_p50", "solve_ms_p95"}
+        assert numbers["est_step_ms_mean"] >= out["lower_bound_ms_mean"] * (1 - 1e-9)
+
+
+def test_table_and_plans_out(tmp_path, capsys):
+    plans = tmp_path / "plans.jsonl"
+    assert main(["plan", *FAST, "--policy", "hydraulis", "--policy", "homogeneous-token",
+                 "--plans-out", str(plans)]) == 0
+    table = capsys.readouterr().out
+    assert "hydraulis" in table and "hydraulis pool:" in table and "lower bound" in table
+    lines = [json.loads(line) for line in plans.read_text().splitlines()]
+    assert [(d["step"], d["policy"]) for d in lines] == [
+        (0, "hydraulis"), (0, "homogeneous-token"), (1, "hydraulis"), (1, "homogeneous-token")]
+    for d in lines:
+        assert set(d) == {"step", "policy", "strategy", "num_gpus", "seq_lens", "replicas", "est_step_ms",
+                          "lower_bound_ms", "solve_ms"}
+        assert sum(d["seq_lens"]) == 40000
+        assert set(d["replicas"][0]) == {"tp", "pp", "cp", "ranks", "max_tokens", "micro_batches", "est_ms"}
+
+
+def test_exact_batch_from_a_text_file(tmp_path, capsys):
+    batch = tmp_path / "batch.txt"
+    batch.write_text("\n".join(["30000", "7", "5000", "123"]) + "\n")
+    plans = tmp_path / "p.jsonl"
+    assert main(["plan", "--lengths", str(batch), "--steps", "1", "--global-tokens", "10",
+                 "--policy", "hydraulis", "--plans-out", str(plans), "--json"]) == 0
+    (line,) = plans.read_text().splitlines()
+    assert json.loads(line)["seq_lens"] == [30000, 7, 5000, 123]  # untruncated, in order
+    assert json.loads(capsys.readouterr().out)["dataset"] == "batch"
+
+
+@pytest.mark.parametrize("args,contents,message", [
+    (["--lengths", "{f}", "--steps", "1"], "100\n50000\n",
+     "a sequence of 50000 tokens is longer than every scheme"),
+    (["--lengths", "{f}", "--steps", "1"], "\n", "the batch is empty"),
+    (["--lengths", "{f}", "--steps", "1"], "10\n0\n", "got '0'"),
+    (["--lengths", "{f}", "--steps", "1"], "10\n-4\n", "got '-4'"),
+    (["--lengths", "{f}", "--steps", "1"], "10\n3.5\n", "got '3.5'"),
+    (["--model", "llama-70b"], None, "unknown model 'llama-70b'"),
+    (["--dataset", "wiki"], None, "unknown dataset 'wiki'"),
+    (["--policy", "greedy"], None, "unknown policy 'greedy'"),
+    (["--gpus", "3"], None, "no strategy of llama-32b@a800-80g fills 3 GPUs"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, contents, message):
+    f = tmp_path / "lengths.txt"
+    if contents is not None:
+        f.write_text(contents)
+    plans = tmp_path / "plans.jsonl"
+    argv = [a.replace("{f}", str(f)) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "plan", *argv, "--steps", "1",
+                           "--plans-out", str(plans)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not plans.exists() and list(tmp_path.iterdir()) == ([f] if contents is not None else [])

@@ -1,0 +1,74 @@
+"""Cost-model presets and the memory model against hand-computed values (DESIGN.md section 9)."""
+
+import json
+from importlib import resources
+
+import pytest
+
+from passes.cost_model import (build_cost_model, default_optimizer_layout, load_profile, load_profile_file,
+                               max_tokens_for, state_bytes)
+from passes.ir import ParallelScheme, PlanError, Strategy
+
+P32 = load_profile("llama-32b")
+LAYOUT_32B_64 = Strategy.parse("4x(tp16)")
+
+
+@pytest.mark.parametrize("tp,expected", [(16, 43520), (8, 21888), (4, 7808)])
+def test_32b_longest_sequences_match_design(tp, expected):
+    # DESIGN.md 9: TP16 43.5K, TP8 21.9K, TP4 7.8K under the 4x(tp16) layout.
+    assert max_tokens_for(P32, ParallelScheme(tp=tp), LAYOUT_32B_64) == expected
+
+
+def test_state_bytes_hand_computed():
+    L, H, V, B, alpha = 60, 6656, 30592, 201, 0.75
+    # tp4 pp1 under 4x(tp16,pp1): os_dp=4, os_tp=16, os_pp=1
+    expected = ((L / 1) * (H * H / 16) * B * alpha / 4 + (L / 1) * (H * H / 4) * B * (1 - alpha)
+                + (H * V / 16) * 32 * alpha / 4 + (H * V / 4) * 32 * (1 - alpha))
+    assert state_bytes(P32, ParallelScheme(tp=4), LAYOUT_32B_64) == pytest.approx(expected)
+
+
+def test_4k_sequence_gpu_ms_asymmetry():
+    model = build_cost_model(P32, LAYOUT_32B_64)
+    tp4, tp16 = model.cost(ParallelScheme(tp=4)), model.cost(ParallelScheme(tp=16))
+    assert 4 * tp4.seq_ms(4096) == pytest.approx(4175, abs=1)
+    assert 16 * tp16.seq_ms(4096) == pytest.approx(7083, abs=1)
+
+
+@pytest.mark.parametrize("model,gpus,longest,expected", [
+    ("llama-32b", 64, 32768, "4x(tp16,pp1)"),
+    ("llama-32b", 1024, 32768, "64x(tp16,pp1)"),
+    ("llama-13b", 32, 32768, "4x(tp8,pp1)"),
+    ("llama-32b", 64, 4000, "16x(tp4,pp1)"),
+])
+def test_default_optimizer_layout(model, gpus, longest, expected):
+    assert default_optimizer_layout(load_profile(model), gpus, longest).describe() == expected
+
+
+def test_layout_errors():
+    with pytest.raises(PlanError, match="longer than every scheme .*longest supported: 43520"):
+        default_optimizer_layout(P32, 64, 50000)
+    with pytest.raises(PlanError, match="fills 3 GPUs"):
+        default_optimizer_layout(P32, 3, 100)
+    with pytest.raises(PlanError, match="must be homogeneous"):
+        state_bytes(P32, ParallelScheme(tp=4), Strategy.parse("1x(tp16)+12x(tp4)"))
+
+
+def test_unknown_presets():
+    with pytest.raises(PlanError, match="unknown model 'gpt-5'"):
+        load_profile("gpt-5")
+    with pytest.raises(PlanError, match="unknown hardware 'h100'"):
+        load_profile("llama-7b", "h100")
+
+
+def test_profile_file_round_trip_and_validation(tmp_path):
+    data = json.loads(resources.files("passes").joinpath("data/profiles/a800-llama-7b.json").read_text())
+    good = tmp_path / "mine.json"
+    good.write_text(json.dumps(data))
+    assert load_profile_file(good).schemes == load_profile("llama-7b").schemes
+    data["schemes"][0]["b"] = -0.1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="must be a finite number >= 0, got -0.1"):
+        load_profile_file(bad)
+    with pytest.raises(PlanError, match="does not exist"):
+        load_profile_file(tmp_path / "missing.json")
