@@ -6,7 +6,11 @@ group's ``group_name`` so that the graph stays printable and compilable:
 - ``tp_all_reduce``: forward all-reduce (sum), backward identity (after a row-parallel linear);
 - ``tp_copy``: forward identity, backward all-reduce (before a column-parallel linear);
 - ``tp_grad_share``: forward identity, backward sums a weight's gradient over the ranks that hold the same
-  replicated slice (key/value heads replicated because there are fewer than tp).
+  replicated slice (key/value heads replicated because there are fewer than tp);
+- ``tp_all_gather``: forward concatenation of every rank's block along a dim, backward this rank's block
+  (after a vocab-parallel LM head);
+
+and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["tp_all_reduce", "tp_copy", "tp_grad_share", "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE"]
+__all__ = ["tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather", "vocab_parallel_embedding",
+           "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER"]
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -90,7 +95,44 @@ def _share_grad(ctx: Any, grad: torch.Tensor) -> tuple:
 tp_grad_share.register_autograd(_share_grad, setup_context=_setup_share)
 
 
+@torch.library.custom_op("hydraulis::tp_all_gather", mutates_args=())
+def tp_all_gather(x: torch.Tensor, group: str, dim: int, world: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order; the gradient is this rank's block."""
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group))
+    return torch.cat(parts, dim=dim)
+
+
+@tp_all_gather.register_fake
+def _(x: torch.Tensor, group: str, dim: int, world: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
+    _, ctx.group, ctx.dim, ctx.world = inputs
+
+
+def _gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
+    rank = dist.get_rank(_resolve_process_group(ctx.group))
+    return grad.chunk(ctx.world, dim=ctx.dim)[rank].contiguous(), None, None, None
+
+
+tp_all_gather.register_autograd(_gather_grad, setup_context=_setup_gather)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, group: str) -> torch.Tensor:
+    """Embedding lookup in rows ``start .. start + weight.shape[0]`` of a vocabulary split over the group:
+    ids outside this rank's rows contribute zeros, and the all-reduce assembles every token's row."""
+    local = ids - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    return torch.ops.hydraulis.tp_all_reduce.default(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
 # The op overloads, as graph targets (the graph prints them as ``hydraulis.tp_copy.default``).
 TP_ALL_REDUCE = torch.ops.hydraulis.tp_all_reduce.default
 TP_COPY = torch.ops.hydraulis.tp_copy.default
 TP_GRAD_SHARE = torch.ops.hydraulis.tp_grad_share.default
+TP_ALL_GATHER = torch.ops.hydraulis.tp_all_gather.default

@@ -6,7 +6,8 @@ Owns the decision (:func:`decide_tensor_parallel`, a pure function of the graph,
 - linears fed by a replicated tensor are column-parallel (output features split; a fused projection that
   is ``split`` afterwards is split chunk by chunk), linears fed by a split tensor are row-parallel
   (input features split, followed by an all-reduce); the last linear before the output (the LM head)
-  and the embeddings stay replicated;
+  and the embeddings stay replicated, or with option ``tensor_parallel.vocab_parallel`` are split by
+  vocabulary rows (masked lookup + all-reduce; logits gathered);
 - attention heads are split: query heads must divide by tp; key/value heads are split when they divide
   by tp, replicated (each rank keeps the kv head its query heads use) when tp divides them, else error;
 - ``tp_copy`` (backward all-reduce) is inserted before column-parallel inputs and ``tp_all_reduce``
@@ -28,7 +29,7 @@ import torch
 from torch import fx, nn
 
 from passes.analyze import OpClass, SDPA_TARGETS, attention_sites, classify_node
-from passes.collectives import TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE
+from passes.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
 from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
 from passes.sharding import Shard, propagate_node, where
 
@@ -43,6 +44,8 @@ class LinearRole(enum.Enum):
     COLUMN = "column"
     ROW = "row"
     REPLICATED = "replicated"
+    VOCAB = "vocab"
+    """The LM head split by vocabulary rows, its logits gathered (vocab-parallel)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,7 +158,7 @@ def _reaches_output_directly(node: fx.Node) -> bool:
     return False
 
 
-def _decide_roles(gm: fx.GraphModule) -> dict[str, LinearRole]:
+def _decide_roles(gm: fx.GraphModule, head: LinearRole = LinearRole.REPLICATED) -> dict[str, LinearRole]:
     split: dict[fx.Node, bool] = {}
     roles: dict[str, LinearRole] = {}
     for node in gm.graph.nodes:
@@ -163,7 +166,7 @@ def _decide_roles(gm: fx.GraphModule) -> dict[str, LinearRole]:
             if split.get(node.args[0], False):
                 roles[node.name], split[node] = LinearRole.ROW, False
             elif _reaches_output_directly(node):
-                roles[node.name], split[node] = LinearRole.REPLICATED, False
+                roles[node.name], split[node] = head, False
             else:
                 roles[node.name], split[node] = LinearRole.COLUMN, True
         else:
@@ -248,33 +251,62 @@ def _param_name(node: Any) -> str | None:
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
-def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int) -> TensorParallelPlan:
-    """Roles of the linears, chunking of column outputs and the slice of every parameter, for one rank."""
+def _block(name: str, shape: tuple[int, ...], dim: int, tp: int, rank: int, node: fx.Node) -> ParamSlice:
+    """Rank ``rank``'s contiguous 1/tp block of dim ``dim``; the dim must divide."""
+    if shape[dim] % tp:
+        raise PassError(f"tensor parallel: {where(node)}: dim {dim} of {name!r} has {shape[dim]} rows, "
+                        f"not divisible by tp={tp}")
+    width = shape[dim] // tp
+    return ParamSlice(name=name, full_shape=shape, dim=dim, ranges=((rank * width, (rank + 1) * width),))
+
+
+def _linear_slices(node: fx.Node, role: LinearRole, tp: int, rank: int, kv_parts: dict[str, int],
+                   chunks: dict[str, tuple[_Chunk, ...]]) -> dict[str, ParamSlice]:
+    weight, bias = _param_name(node.args[1]), _param_name(node.args[2] if len(node.args) > 2 else None)
+    if weight is None:
+        raise PassError(f"tensor parallel: {where(node)}: the weight is computed, not a parameter")
+    shape = tuple(node.args[1].meta["val"].shape)
+    new: dict[str, ParamSlice] = {}
+    if role is LinearRole.COLUMN:
+        chunks[node.name] = c = _chunks(node, tp, rank, kv_parts)
+        shared = tp // c[0].parts
+        new[weight] = ParamSlice(name=weight, full_shape=shape, dim=0, ranges=_column_ranges(c), shared_by=shared)
+        if bias:
+            new[bias] = ParamSlice(name=bias, full_shape=shape[:1], dim=0, ranges=_column_ranges(c), shared_by=shared)
+    elif role is LinearRole.ROW:
+        new[weight] = _block(weight, shape, 1, tp, rank, node)
+    elif role is LinearRole.VOCAB:
+        if bias:
+            raise PassError(f"tensor parallel: vocab-parallel {where(node)} has a bias; not supported")
+        new[weight] = _block(weight, shape, 0, tp, rank, node)
+    return new
+
+
+def _is_token_embedding(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.nn.functional.embedding
+            and node.args[0].op == "placeholder" and _param_name(node.args[1]) is not None)
+
+
+def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_parallel: bool = False
+                           ) -> TensorParallelPlan:
+    """Roles of the linears, chunking of column outputs and the slice of every parameter, for one rank.
+
+    ``vocab_parallel``: split the token embedding and the LM head by vocabulary rows instead of
+    replicating them (the logits are gathered, so the graph's output is unchanged)."""
     if tp < 1 or not 0 <= rank < tp:
         raise PassError(f"tensor parallel: need 0 <= rank < tp, got rank={rank!r} tp={tp!r}")
     kv_parts = _kv_parts(gm, tp)
-    roles = _decide_roles(gm)
+    roles = _decide_roles(gm, LinearRole.VOCAB if vocab_parallel else LinearRole.REPLICATED)
     chunks: dict[str, tuple[_Chunk, ...]] = {}
     slices: dict[str, ParamSlice] = {}
     for node in gm.graph.nodes:
-        if not _is_linear(node):
+        if _is_linear(node):
+            new = _linear_slices(node, roles[node.name], tp, rank, kv_parts, chunks)
+        elif vocab_parallel and _is_token_embedding(node):
+            weight = _param_name(node.args[1])
+            new = {weight: _block(weight, tuple(node.args[1].meta["val"].shape), 0, tp, rank, node)}
+        else:
             continue
-        weight, bias = _param_name(node.args[1]), _param_name(node.args[2] if len(node.args) > 2 else None)
-        if weight is None:
-            raise PassError(f"tensor parallel: {where(node)}: the weight is computed, not a parameter")
-        shape = tuple(node.args[1].meta["val"].shape)
-        role = roles[node.name]
-        new: dict[str, ParamSlice] = {}
-        if role is LinearRole.COLUMN:
-            chunks[node.name] = c = _chunks(node, tp, rank, kv_parts)
-            shared = tp // c[0].parts
-            new[weight] = ParamSlice(name=weight, full_shape=shape, dim=0, ranges=_column_ranges(c), shared_by=shared)
-            if bias:
-                new[bias] = ParamSlice(name=bias, full_shape=shape[:1], dim=0, ranges=_column_ranges(c),
-                                       shared_by=shared)
-        elif role is LinearRole.ROW:
-            width = shape[1] // tp
-            new[weight] = ParamSlice(name=weight, full_shape=shape, dim=1, ranges=((rank * width, (rank + 1) * width),))
         for name, sl in new.items():
             if slices.get(name, sl) != sl:
                 raise PassError(f"tensor parallel: parameter {name!r} is used by linears split differently")
@@ -338,6 +370,8 @@ class _Rewriter:
                 if self.specs.get(a) is not None:
                     raise PassError(f"tensor parallel: graph output {where(a)} is still split over ranks")
             return self.new("output", "output", node.args)
+        if _is_token_embedding(node) and node.args[1] in self.sharded_params:
+            return self.embedding(node)
         if any(a in self.sharded_params for a in node.all_input_nodes) and not _is_linear(node):
             raise PassError(f"tensor parallel: {where(node)} uses a split parameter outside its linear")
         if _is_linear(node):
@@ -368,13 +402,16 @@ class _Rewriter:
         x = node.args[0]
         spec = self.specs.get(x)
         ndim = len(x.meta["val"].shape)
-        if role is LinearRole.COLUMN:
+        if role in (LinearRole.COLUMN, LinearRole.VOCAB):
             if spec is not None:
-                raise PassError(f"tensor parallel: column-parallel {where(node)} has a split input")
+                raise PassError(f"tensor parallel: {role.value}-parallel {where(node)} has a split input")
             if x not in self.copies:
                 self.copies[x] = self.graph.call_function(TP_COPY, (self.env[x], self.group))
             new = self.new("call_function", node.target, node.args, like=node)
             new.update_arg(0, self.copies[x])
+            if role is LinearRole.VOCAB:
+                self.specs[node] = None
+                return self.graph.call_function(TP_ALL_GATHER, (new, self.group, ndim - 1, self.plan.tp))
             local = sum(self.plan.local_chunks(node.name))
             self.specs[node] = Shard(dim=ndim - 1, frac=Fraction(local, int(node.meta["val"].shape[-1])))
             return new
@@ -392,6 +429,13 @@ class _Rewriter:
             raise PassError(f"tensor parallel: replicated {where(node)} (the LM head) has a split input")
         self.specs[node] = None
         return self.new("call_function", node.target, node.args, node.kwargs, like=node)
+
+    def embedding(self, node: fx.Node) -> fx.Node:
+        """Token ids -> rows of a vocabulary-split table, all-reduced."""
+        start = self.plan.param(node.args[1].target).ranges[0][0]
+        self.specs[node] = None
+        return self.new("call_function", vocab_parallel_embedding, (node.args[0], node.args[1], start, self.group),
+                        like=node)
 
     def attention(self, node: fx.Node) -> fx.Node:
         head_axis = 1
@@ -425,6 +469,7 @@ def shard_tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResu
         return PassResult(graph_module=gm, modified=False)
     if "val" not in next(iter(gm.graph.nodes)).meta:
         propagate_vals(gm)
-    plan = decide_tensor_parallel(gm, tp, ctx.tp_rank)
+    vocab_parallel = bool(ctx.option("tensor_parallel.vocab_parallel", False))
+    plan = decide_tensor_parallel(gm, tp, ctx.tp_rank, vocab_parallel=vocab_parallel)
     out = _Rewriter(gm, plan, ctx.tp_group).run()
     return PassResult(graph_module=out, modified=True, info={"plan": plan})

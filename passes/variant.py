@@ -174,15 +174,18 @@ def _stage_of(gm: fx.GraphModule, records: tuple[PassRecord, ...], stage: int) -
 
 
 def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0, tp_group: str | None = None,
-                  output_index: int = 0, backend: str = "eager", attention_backend: str = "auto") -> Variant:
+                  output_index: int = 0, backend: str = "eager", attention_backend: str = "auto",
+                  vocab_parallel: bool = False) -> Variant:
     """Run tensor parallel, packed attention and pipeline split on a graph captured at ``key.bucket`` tokens
-    (input (1, bucket)), keep stage ``key.stage`` and compile it once."""
+    (input (1, bucket)), keep stage ``key.stage`` and compile it once. ``vocab_parallel``: split the token
+    embedding and LM head by vocabulary rows when tp > 1."""
     ids_val = next(n for n in captured.graph.nodes if n.op == "placeholder").meta.get("val")
     if ids_val is None or tuple(ids_val.shape) != (1, key.bucket):
         raise ValueError(f"variant {key.describe()} needs a graph captured on input (1, {key.bucket}), got "
                          f"{None if ids_val is None else tuple(ids_val.shape)}")
     ctx = PassContext(scheme=key.scheme, tp_rank=tp_rank, tp_group=tp_group,
-                      options={"packed_attention.backend": attention_backend})
+                      options={"packed_attention.backend": attention_backend,
+                               "tensor_parallel.vocab_parallel": vocab_parallel})
     passes = [shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
     gm, records = run_passes(_copy(captured), passes, ctx)
     stage_gm, inputs, boundary_in, boundary_out = _stage_of(gm, records, key.stage)

@@ -34,12 +34,13 @@ def _case(name):
     return model, cfg, ids, targets
 
 
-def _check_rank(rank, world, name, graph_bytes, output_index):
+def _check_rank(rank, world, name, graph_bytes, output_index, vocab_parallel):
     """One rank: shard the (parent-captured) graph, run it, compare with the unsharded model."""
     model, cfg, ids, targets = _case(name)
     gm = pickle.loads(graph_bytes)
     propagate_vals(gm, [ids])
-    ctx = PassContext(scheme=ParallelScheme(tp=world), tp_rank=rank, tp_group=dist.group.WORLD.group_name)
+    ctx = PassContext(scheme=ParallelScheme(tp=world), tp_rank=rank, tp_group=dist.group.WORLD.group_name,
+                      options={"tensor_parallel.vocab_parallel": vocab_parallel})
     gm, records = run_passes(gm, [shard_tensor_parallel_pass], ctx)
     plan = records[0].info["plan"]
     logits = gm(ids)[output_index]
@@ -58,6 +59,8 @@ def _check_rank(rank, world, name, graph_bytes, output_index):
         torch.testing.assert_close(local.grad, sl.take(full.grad), rtol=1e-5, atol=1e-6, msg=sl.describe())
         split += sl.dim is not None
     assert split >= 4 * cfg.layers, plan.describe()
+    embedding, head = {"gpt": ("wte.weight", "wte.weight"), "llama": ("embed_tokens.weight", "lm_head.weight")}[name]
+    assert (plan.param(embedding).dim == 0) == vocab_parallel == (plan.param(head).dim == 0), plan.describe()
 
 
 def _check_packed_variant(rank, world, graph_bytes, output_index):
@@ -66,7 +69,8 @@ def _check_packed_variant(rank, world, graph_bytes, output_index):
     gm = pickle.loads(graph_bytes)
     propagate_vals(gm, [torch.zeros(1, 32, dtype=torch.long)])
     key = VariantKey(scheme=ParallelScheme(tp=world), stage=0, bucket=32)
-    variant = build_variant(gm, key, tp_rank=rank, tp_group=dist.group.WORLD.group_name, output_index=output_index)
+    variant = build_variant(gm, key, tp_rank=rank, tp_group=dist.group.WORLD.group_name, output_index=output_index,
+                            vocab_parallel=True)
     lens = [7, 1, 12, 5]
     ids = torch.randint(0, cfg.vocab, (sum(lens),), generator=torch.Generator().manual_seed(5))
     cu = torch.tensor([0, 7, 8, 20, 25], dtype=torch.int32)
@@ -108,7 +112,8 @@ def _check_tp_pp_variants(rank, world, graph_bytes, output_index):
 
 def _tp_worker(rank, world, graphs, packed):
     for name, (graph_bytes, output_index) in graphs.items():
-        _check_rank(rank, world, name, graph_bytes, output_index)
+        for vocab_parallel in (False, True):
+            _check_rank(rank, world, name, graph_bytes, output_index, vocab_parallel)
     _check_packed_variant(rank, world, *packed)
     if world == 2:
         _check_tp_pp_variants(rank, world, *packed)
@@ -176,6 +181,35 @@ def _hand_built() -> fx.GraphModule:
     gm = fx.GraphModule(root, g)
     propagate_vals(gm, [torch.randn(1, 4, 8)])
     return gm
+
+
+def test_vocab_parallel_golden_on_a_hand_built_graph():
+    """ids -> embedding (tied with the head) -> head: both split by vocabulary rows, logits gathered."""
+    root = nn.Module()
+    root.emb = nn.Parameter(torch.randn(10, 4))
+    g = fx.Graph()
+    ids = g.placeholder("ids")
+    w = g.get_attr("emb")
+    x = g.call_function(F.embedding, (ids, w))
+    g.output((g.call_function(torch._C._nn.linear, (x, w, None)),))
+    gm = fx.GraphModule(root, g)
+    propagate_vals(gm, [torch.zeros(1, 3, dtype=torch.long)])
+    ctx = PassContext(scheme=ParallelScheme(tp=2), tp_rank=1, tp_group="g",
+                      options={"tensor_parallel.vocab_parallel": True})
+    result = shard_tensor_parallel_pass(gm, ctx)
+    assert result.info["plan"].describe() == "tp=2 rank=1\n  linear: vocab\n  emb[5:10 of dim 0]"
+    assert str(result.graph_module.graph).strip().replace("'g'", "g") == VOCAB_GOLDEN
+
+
+VOCAB_GOLDEN = """\
+graph():
+    %ids : [num_users=1] = placeholder[target=ids]
+    %emb : [num_users=2] = get_attr[target=emb]
+    %embedding : [num_users=1] = call_function[target=passes.collectives.vocab_parallel_embedding](args = (%ids, %emb, 5, g), kwargs = {})
+    %tp_copy_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_copy.default](args = (%embedding, g), kwargs = {})
+    %linear : [num_users=1] = call_function[target=torch._C._nn.linear](args = (%tp_copy_default, %emb, None), kwargs = {})
+    %tp_all_gather_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_all_gather.default](args = (%linear, g, 2, 2), kwargs = {})
+    return (tp_all_gather_default,)"""
 
 
 def test_decision_on_a_hand_built_graph():
