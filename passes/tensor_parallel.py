@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from passes.analyze import OpClass, SDPA_TARGETS, attention_sites, classify_node
+from passes.analyze import OpClass, attention_sites, classify_node
 from passes.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
 from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
 from passes.sharding import Shard, propagate_node, where
