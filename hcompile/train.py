@@ -31,9 +31,9 @@ from runtime.distributed import DistContext, init_distributed
 from runtime.executor import Executor, StepStats
 from runtime.fixed_layout import FixedLayout, full_slice
 from runtime.planning import PlanService
-from runtime.topology import Cluster
+from runtime.topology import Cluster, place
 
-__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model"]
+__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens"]
 
 CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0, link_gbps=5.0,
                fixed_ms_per_layer=0.2, gpus_per_node=1024)
@@ -53,7 +53,7 @@ class TrainOptions:
     """``auto`` (a pool built from the data) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")``."""
     max_tokens: int | None = None
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
-    None: the cost model's own caps."""
+    None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
     policy: str = "hydraulis"
     """Planner policy (the baselines are available for side-by-side runs)."""
     buckets: TokenBuckets | None = None
@@ -131,18 +131,39 @@ class CompiledProvider:
     def recompiles(self) -> int:
         return self.builds
 
+    def largest_bucket(self, up_to: int) -> int:
+        """The largest bucket (up to the first >= ``up_to``) the model can be captured at. Capture runs the
+        model on one packed row, so a learned position table bounds a micro-batch's tokens."""
+        largest = 0
+        for bucket in self.buckets.sizes:
+            try:
+                self.compiled.captured(bucket)
+            except Exception:
+                if largest == 0:
+                    raise
+                break
+            largest = bucket
+            if bucket >= up_to:
+                break
+        return largest
+
 
 def cpu_cost_model(compiled: CompiledModel, world_size: int, max_tokens: int | None) -> CostModel:
     """Analytic cost model of the captured graph on a CPU, schemes tp in divisors of the head count (pp = 1),
-    each capped at ``max_tokens * tp`` tokens per micro-batch when a per-rank cap is given."""
+    each capped at ``max_tokens * tp`` tokens per micro-batch (1024 per rank when None)."""
     analysis = analyze_graph(compiled.captured(64).graph_module)
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp) for tp in range(1, world_size + 1)
                if world_size % tp == 0 and heads % tp == 0]
     model = analytic_cost_model(analysis, CPU, schemes, name=f"{type(compiled.model).__name__}@cpu")
-    if max_tokens is None:
-        return model
-    entries = tuple(dataclasses.replace(e, max_tokens=max_tokens * e.scheme.tp) for e in model.entries)
+    per_rank = 1024 if max_tokens is None else max_tokens
+    return cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
+
+
+def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:
+    """``model`` with each scheme's ``max_tokens`` lowered to ``caps[scheme]``."""
+    entries = tuple(dataclasses.replace(e, max_tokens=min(e.max_tokens, caps.get(e.scheme, e.max_tokens)))
+                    for e in model.entries)
     return dataclasses.replace(model, entries=entries)
 
 
@@ -160,7 +181,11 @@ class Trainer:
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider)
-        self.cost_model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
+        model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
+        if cost_model is not None and options.max_tokens is not None:
+            model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
+        capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
+        self.cost_model = cap_tokens(model, {e.scheme: capturable for e in model.entries})
         self._service: PlanService | None = None
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
@@ -176,7 +201,22 @@ class Trainer:
                 pool = [Strategy.parse(s) for s in self.options.strategies]
             planner = Planner(self.cost_model, self.ctx.world_size, pool, fixed)
             self._service = PlanService(planner, self.ctx.rank, self.options.policy)
+            self.warm_up([*pool, fixed])
         return self._service
+
+    def warm_up(self, strategies: Sequence[Strategy]) -> None:
+        """Build, ahead of the first step, every graph these strategies can ask this rank for: its stage of
+        its replica's scheme at every token bucket up to the scheme's cap (collective: groups are made)."""
+        sizes = self.provider.buckets.sizes
+        for strategy in strategies:
+            placement = place(strategy, self.cluster)
+            self.executor.groups.prepare(placement)
+            replica, stage, tp_rank = placement.stage_of(self.ctx.rank)
+            scheme = strategy.replicas()[replica]
+            group = self.executor.groups.get(placement.tp_groups(replica)[stage])
+            cap = self.cost_model.max_tokens(scheme)
+            for bucket in sizes[: next((i + 1 for i, b in enumerate(sizes) if b >= cap), len(sizes))]:
+                self.provider.graph(scheme, tp_rank, None if group is None else group.group_name, bucket)
 
     def _submit(self, seq_lens: Sequence[int], strategy: str | None) -> None:
         self._planner(seq_lens).submit(list(seq_lens), Strategy.parse(strategy) if strategy else None)
@@ -191,8 +231,8 @@ class Trainer:
             if self._submitted is not None:
                 self._service.take()  # a stale prefetch: drain it so every rank stays in step
             self._submit(seq_lens, strategy)
-        planned = self._service.take()
         self._submitted = None
+        planned = self._service.take()
         if next_batch is not None:
             self._submit(_check_batch(next_batch), None)
         self.last_plan = planned

@@ -62,3 +62,54 @@ def test_train_step_matches_single_process(tmp_path, name):
             assert got == pytest.approx(float(loss.detach()), rel=1e-5)
             for n, p in expected.items():
                 torch.testing.assert_close(state[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _auto(rank, world):
+    import hcompile
+    from passes.ir import PlanError
+
+    model, cfg = make("llama")
+    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.AdamW,
+                               optimizer_kwargs={"lr": 1e-3}, strategies="auto", max_tokens=48)
+    g = torch.Generator().manual_seed(5)
+    lengths = [[int(x) for x in torch.randint(1, 48, (9,), generator=g)] + [90] for _ in range(12)]
+    data = [[torch.randint(0, cfg.vocab, (n,), generator=g) for n in step] for step in lengths]
+    forced = ["1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp4)"]  # each holds the 90-token sequence
+    adam = [trainer.train_step(data[i], strategy=s).loss for i, s in enumerate(forced)]
+    before = trainer.full_state_dict()
+    try:  # 200 tokens > 4 ranks x 48: no scheme holds it; rejected before any work
+        trainer.train_step([torch.zeros(200, dtype=torch.long)])
+        rejected = None
+    except PlanError as exc:
+        rejected = str(exc)
+    unchanged = all(torch.equal(before[n], t) for n, t in trainer.full_state_dict().items())
+    stats = []
+    for i in range(3, 12):
+        stats.append(trainer.train_step(data[i], next_batch=data[i + 1] if i + 1 < 12 else None))
+    return adam, rejected, unchanged, [(s.strategy, s.recompiles, s.plan_hidden, s.loss) for s in stats]
+
+
+def test_adamw_auto_strategies_and_rejection(tmp_path):
+    results = run_ranks(4, tmp_path, _auto)
+    model, cfg = make("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    lengths = [[int(x) for x in torch.randint(1, 48, (9,), generator=g)] + [90] for _ in range(12)]
+    data = [[torch.randint(0, cfg.vocab, (n,), generator=g) for n in step] for step in lengths]
+    expected = []
+    for batch in data[:3]:
+        pairs = sum(len(s) - 1 for s in batch)
+        loss = sum(F.cross_entropy(_logits(model(s[None]))[0, :-1], s[1:], reduction="sum") for s in batch) / pairs
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss.detach()))
+    for adam, rejected, unchanged, auto in results:
+        assert adam == pytest.approx(expected, rel=1e-4)
+        assert rejected is not None and "200 tokens" in rejected and unchanged
+        strategies = {s for s, *_ in auto}
+        assert all("tp4" in s or "tp2" in s for s in strategies)  # the 90-token sequence needs tp >= 2
+        assert all(loss == loss and loss > 0 for *_, loss in auto)
+        warm = auto[3][1]
+        assert [r for _, r, _, _ in auto[3:]] == [warm] * len(auto[3:]), "no graph is built after warm-up"
+    assert [a[3] for a in results[0][3]] == [a[3] for a in results[1][3]]  # every rank reports the same loss
