@@ -35,7 +35,7 @@ def _train(rank, world, name, lr):
 
     model, cfg = make(name)
     trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
-                               strategies=STRATEGIES)
+                               strategies=STRATEGIES, max_tokens=64)
     out = []
     data = batches(cfg.vocab)
     for i, (strategy, batch) in enumerate(zip(STRATEGIES, data)):
