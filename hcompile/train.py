@@ -27,6 +27,7 @@ from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
 from passes.tensor_parallel import ParamSlice, decide_tensor_parallel, shard_tensor_parallel_pass
 from passes.variant import TokenBuckets
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
 from runtime.executor import Executor, StepStats
 from runtime.fixed_layout import FixedLayout, full_slice
@@ -238,6 +239,14 @@ class Trainer:
         self.last_plan = planned
         stats = self.executor.run_step(planned.plan, [t.to(self.ctx.device) for t in batch])
         return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
+
+    def save(self, path: str, step: int, data_position: int) -> None:
+        """Checkpoint the fixed layout, optimiser state, step and data position (collective, atomic)."""
+        save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position)
+
+    def load(self, path: str) -> dict:
+        """Resume from ``save``; returns ``{"step", "data_position", ...}``."""
+        return load_checkpoint(path, self.layout, self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""
