@@ -18,7 +18,7 @@ from hcompile.capture import Captured, capture
 from passes.ir import ParallelScheme
 from passes.packed_attention import rewrite_packed_attention_pass
 from passes.pass_runner import PassContext, PassRecord, run_passes
-from passes.variant import TokenBuckets
+from passes.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
 
 __all__ = ["CompiledModel", "compile", "hydraulis"]
 
@@ -26,12 +26,15 @@ __all__ = ["CompiledModel", "compile", "hydraulis"]
 class CompiledModel:
     """A model with its packed forward and its variants, compiled lazily and cached per bucket."""
 
-    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager") -> None:
+    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
+                 **runtime_options: Any) -> None:
         self.model = model
         self.buckets = buckets
         self.backend = backend
+        self.runtime_options = dict(runtime_options)  # e.g. cluster=...: read by the runtime's train_step
         self._captures: dict[int, Captured] = {}
         self._packed: dict[int, fx.GraphModule] = {}
+        self._variants: dict[tuple, Variant] = {}
         self.records: list[PassRecord] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -56,9 +59,23 @@ class CompiledModel:
 
     def packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Logits (T, vocab) of n packed sequences; equals the model on each sequence, concatenated."""
-        ids, cu, max_seqlen, total, bucket = _pad_to_bucket(input_ids, cu_seqlens, self.buckets)
-        out = self.packed_graph(bucket)(ids, cu, max_seqlen)[self.captured(bucket).output_index]
+        total = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+        bucket = self.buckets.bucket_for(total) if self.buckets is not None else total
+        ids, cu = pad_to_bucket(input_ids, cu_seqlens, bucket)
+        max_seqlen = bucket if self.buckets is not None else int((cu[1:] - cu[:-1]).max())
+        out = self.packed_graph(bucket)(ids[None], cu, max_seqlen)[self.captured(bucket).output_index]
         return out[0, :total]
+
+    def variant(self, scheme: ParallelScheme, stage: int, bucket: int, *, tp_rank: int = 0,
+                tp_group: str | None = None) -> Variant:
+        """The compiled variant for (scheme, stage, bucket) on this rank, built once and cached."""
+        key = VariantKey(scheme=scheme, stage=stage, bucket=bucket)
+        if (key, tp_rank, tp_group) not in self._variants:
+            captured = self.captured(bucket)
+            self._variants[(key, tp_rank, tp_group)] = build_variant(
+                captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
+                output_index=captured.output_index, backend=self.backend)
+        return self._variants[(key, tp_rank, tp_group)]
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
@@ -69,29 +86,14 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def _pad_to_bucket(
-    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, buckets: TokenBuckets | None
-) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
-    if input_ids.dim() != 1:
-        raise ValueError(f"packed input_ids must be (total_tokens,), got shape {tuple(input_ids.shape)}")
-    total = int(input_ids.shape[0])
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != total:
-        raise ValueError(f"cu_seqlens must be int32 (n+1,) ending at {total}, got {cu_seqlens.tolist()!r} "
-                         f"({cu_seqlens.dtype})")
-    bucket = buckets.bucket_for(total) if buckets is not None else total
-    ids, cu = input_ids, cu_seqlens
-    if bucket > total:
-        ids = torch.cat([ids, ids.new_zeros(bucket - total)])  # padding: one extra sequence, dropped
-        cu = torch.cat([cu, cu.new_tensor([bucket])])
-    max_seqlen = bucket if buckets is not None else int((cu[1:] - cu[:-1]).max())
-    return ids[None], cu, max_seqlen, total, bucket
-
-
 def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
             **training: Any) -> Any:
     """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use).
-    With training options (``loss``, ``optimizer``, ``optimizer_kwargs``, ``strategies``, ``max_tokens``,
-    ``policy``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
+
+    ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
+    ``backend``: the torch.compile backend of the variants. With training options (``loss``, ``optimizer``,
+    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``cost_model``, ``dataset``,
+    ``cluster``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
     compiled = CompiledModel(model, buckets=buckets, backend=backend)
@@ -117,6 +119,7 @@ def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type]
 
         klass.hcompiled = property(compiled)
         klass.packed = lambda self, input_ids, cu_seqlens: compiled(self).packed(input_ids, cu_seqlens)
+        klass.variant = lambda self, *args, **kwargs: compiled(self).variant(*args, **kwargs)
         return klass
 
     return wrap(cls) if cls is not None else wrap

@@ -9,13 +9,15 @@ Owns ``rewrite_packed_attention_pass``. On a graph captured with input (1, T):
   inside its own sequence), so learned absolute positions and RoPE both restart at every sequence;
 - ``cu_seqlens`` (int32, n+1) and ``max_seqlen`` become new graph inputs, after the user's inputs.
 
-A non-causal call, an attention mask, dropout or a batch other than 1 is out of scope and an error that
-names the node and its module; a graph with no attention at all is an error too. A graph already packed
+A non-causal call, an attention mask, dropout, a batch other than 1 or positions sliced from a table
+(``cos_cached[:T]``) are out of scope and an error that names the node and its module; a graph with no
+attention at all is an error too. A graph already packed
 is returned unchanged. Option ``packed_attention.backend`` picks the op's backend (default "auto").
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -76,6 +78,29 @@ def find_position_aranges(gm: fx.GraphModule, total: int) -> list[fx.Node]:
     return found
 
 
+def _constant_only(node: fx.Node, cache: dict[fx.Node, bool]) -> bool:
+    """True when ``node`` depends on parameters/buffers/constants only (no graph input, no arange)."""
+    if node not in cache:
+        if node.op == "placeholder" or (node.op == "call_function" and node.target is torch.arange):
+            cache[node] = False
+        else:
+            cache[node] = all(_constant_only(a, cache) for a in node.all_input_nodes)
+    return cache[node]
+
+
+def _check_no_sliced_positions(gm: fx.GraphModule, total: int) -> None:
+    """A table sliced to the sequence length (``cos_cached[:T]``, ``wpe.weight[:T]``) would give packed
+    tokens the positions of one long sequence; that construction is out of scope and an error."""
+    cache: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not operator.getitem:
+            continue
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(isinstance(i, slice) and i.stop == total for i in index) and _constant_only(node.args[0], cache):
+            raise PassError(f"packed attention: {_where(node)} slices a position table to the sequence length "
+                            f"({total}); build positions with torch.arange or take a position_ids argument")
+
+
 def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return graph.call_method("transpose", (graph.call_method("squeeze", (x, 0)), 0, 1))  # (1,H,T,D) -> (T,H,D)
 
@@ -106,6 +131,7 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     for node in sdpa:
         _check_sdpa(node)
     total = int(_val(sdpa[0].args[0]).shape[2])
+    _check_no_sliced_positions(gm, total)
     device = _val(sdpa[0].args[0]).device
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):

@@ -18,8 +18,10 @@ from torch import fx
 from passes.ir import ParallelScheme
 from passes.packed_attention import rewrite_packed_attention_pass
 from passes.pass_runner import PassContext, PassRecord, run_passes
+from passes.pipeline_split import split_pipeline_pass
+from passes.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
 
-__all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter"]
+__all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter", "pad_to_bucket"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,3 +51,152 @@ class TokenBuckets:
         if i == len(self.sizes):
             raise ValueError(f"{tokens} tokens exceed the largest bucket {self.sizes[-1]}")
         return self.sizes[i]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class VariantKey:
+    """What a variant is compiled for: a replica layout, one of its pipeline stages, a token bucket."""
+
+    scheme: ParallelScheme
+    """The replica's layout."""
+    stage: int
+    """Pipeline stage, 0 <= stage < scheme.pp."""
+    bucket: int
+    """Tokens of one (padded) micro-batch."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or not 0 <= self.stage < self.scheme.pp:
+            raise ValueError(f"stage must be in [0, {self.scheme.pp}) for {self.scheme.describe()}, got {self.stage!r}")
+        if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 1:
+            raise ValueError(f"bucket must be a positive integer, got {self.bucket!r}")
+
+    def describe(self) -> str:
+        """E.g. ``(tp2,pp2)/stage1/bucket4096``."""
+        return f"{self.scheme.describe()}/stage{self.stage}/bucket{self.bucket}"
+
+
+class CompileCounter:
+    """A torch.compile backend that counts the graphs it compiles, then hands them to ``backend``."""
+
+    def __init__(self, backend: str = "eager") -> None:
+        self.backend = backend
+        self.count = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        self.count += 1
+        if self.backend == "eager":
+            return gm.forward
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(self.backend)(gm, example_inputs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Variant:
+    """The compiled stage of one (scheme, stage, bucket) on one rank, and the parameter slices it expects."""
+
+    key: VariantKey
+    """What it was built for."""
+    tp_rank: int
+    """This rank's index in its tensor-parallel group."""
+    graph_module: fx.GraphModule
+    """The rewritten stage; holds this rank's parameter slices (the model's own Parameters when tp == 1)."""
+    params: tuple[ParamSlice, ...]
+    """Per parameter the stage reads: which slice of the full tensor it holds."""
+    inputs: tuple[str, ...]
+    """User inputs the stage takes, from ``("input_ids", "cu_seqlens", "max_seqlen")``."""
+    boundary_in: tuple[str, ...]
+    """Activations received from the previous stage, in argument order after the inputs."""
+    boundary_out: tuple[str, ...]
+    """What the stage returns (the last stage: the model's outputs)."""
+    output_index: int
+    """Index of the logits among the last stage's outputs."""
+    records: tuple[PassRecord, ...]
+    """What each pass did while building it."""
+    counter: CompileCounter = field(default_factory=CompileCounter)
+    """Counts torch.compile compilations of this variant (1 after warm-up, unchanged after)."""
+    compiled: Callable = field(default=None)
+    """``torch.compile`` of ``graph_module``."""
+
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor) -> tuple:
+        """Run the stage on a packed micro-batch (padded here to the bucket); returns the stage's outputs."""
+        ids, cu = pad_to_bucket(input_ids, cu_seqlens, self.key.bucket)
+        torch._dynamo.mark_dynamic(cu, 0)
+        given = {"input_ids": ids[None], "cu_seqlens": cu, "max_seqlen": self.key.bucket}
+        if len(boundary) != len(self.boundary_in):
+            raise ValueError(f"variant {self.key.describe()} takes {len(self.boundary_in)} boundary tensors "
+                             f"{self.boundary_in}, got {len(boundary)}")
+        return self.compiled(*(given[name] for name in self.inputs), *boundary)
+
+    def logits(self, outputs: tuple, total: int) -> torch.Tensor:
+        """The (total, vocab) logits of the real tokens, from the last stage's outputs."""
+        return outputs[self.output_index][0, :total]
+
+    def load_(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slices of the full parameters ``full`` (by name) into the variant."""
+        with torch.no_grad():
+            for sl in self.params:
+                self.graph_module.get_parameter(sl.name).copy_(sl.take(full[sl.name]))
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """The gradients of this rank's slices, by parameter name."""
+        return {sl.name: self.graph_module.get_parameter(sl.name).grad for sl in self.params}
+
+
+def pad_to_bucket(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad (T,) ids to ``bucket`` tokens; the padding is one extra sequence appended to ``cu_seqlens``."""
+    total = int(input_ids.shape[0])
+    if input_ids.dim() != 1 or total > bucket:
+        raise ValueError(f"input_ids must be (T,) with T <= bucket {bucket}, got shape {tuple(input_ids.shape)}")
+    if cu_seqlens.dtype != torch.int32 or int(cu_seqlens[-1]) != total:
+        raise ValueError(f"cu_seqlens must be int32 ending at {total}, got {cu_seqlens.tolist()!r} ({cu_seqlens.dtype})")
+    if total == bucket:
+        return input_ids, cu_seqlens
+    ids = torch.cat([input_ids, input_ids.new_zeros(bucket - total)])
+    return ids, torch.cat([cu_seqlens, cu_seqlens.new_tensor([bucket])])
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _stage_of(gm: fx.GraphModule, records: tuple[PassRecord, ...], stage: int) -> tuple:
+    split = next((r for r in records if r.name == "split_pipeline_pass" and r.modified), None)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    rename = {names[0]: "input_ids"}
+    if split is None:
+        return gm, tuple(rename.get(n, n) for n in names), (), None
+    spec = split.info["plan"].stages[stage]
+    return (getattr(gm, f"stage_{stage}"), tuple(rename.get(n, n) for n in spec.inputs), spec.boundary_in,
+            spec.boundary_out)
+
+
+def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0, tp_group: str | None = None,
+                  output_index: int = 0, backend: str = "eager", attention_backend: str = "auto") -> Variant:
+    """Run tensor parallel, packed attention and pipeline split on a graph captured at ``key.bucket`` tokens
+    (input (1, bucket)), keep stage ``key.stage`` and compile it once."""
+    ids_val = next(n for n in captured.graph.nodes if n.op == "placeholder").meta.get("val")
+    if ids_val is None or tuple(ids_val.shape) != (1, key.bucket):
+        raise ValueError(f"variant {key.describe()} needs a graph captured on input (1, {key.bucket}), got "
+                         f"{None if ids_val is None else tuple(ids_val.shape)}")
+    ctx = PassContext(scheme=key.scheme, tp_rank=tp_rank, tp_group=tp_group,
+                      options={"packed_attention.backend": attention_backend})
+    passes = [shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
+    gm, records = run_passes(_copy(captured), passes, ctx)
+    stage_gm, inputs, boundary_in, boundary_out = _stage_of(gm, records, key.stage)
+    tp = next((r.info["plan"] for r in records if r.name == "shard_tensor_parallel_pass" and r.modified), None)
+    read = {n.target for n in stage_gm.graph.nodes if n.op == "get_attr"}
+    params = tuple(sl for sl in (tp.params if tp else _replicated(captured)) if sl.name in read)
+    if boundary_out is None:
+        boundary_out = tuple(a.name for a in next(n for n in stage_gm.graph.nodes if n.op == "output").all_input_nodes)
+    counter = CompileCounter(backend)
+    compiled = torch.compile(stage_gm, backend=counter, dynamic=False, fullgraph=True)
+    return Variant(key=key, tp_rank=tp_rank, graph_module=stage_gm, params=params, inputs=inputs,
+                   boundary_in=tuple(boundary_in), boundary_out=tuple(boundary_out), output_index=output_index,
+                   records=records, counter=counter, compiled=compiled)
+
+
+def _replicated(gm: fx.GraphModule) -> tuple[ParamSlice, ...]:
+    return tuple(ParamSlice(name=name, full_shape=tuple(p.shape)) for name, p in gm.named_parameters())

@@ -83,7 +83,22 @@ def _no_attention() -> fx.GraphModule:
     return gm
 
 
+class _SlicedTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(64, 32))
+
+    def forward(self, x):  # x: (1, 6, 32)
+        q = (x + self.table[:6]).view(1, 6, 2, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def _sliced_table() -> fx.GraphModule:
+    return hcompile.capture(_SlicedTable(), torch.randn(1, 6, 32)).graph_module
+
+
 @pytest.mark.parametrize("build, message", [
+    (_sliced_table, "node '.*' .* slices a position table to the sequence length \\(6\\)"),
     (_no_attention, "no scaled_dot_product_attention call found"),
     (lambda: _hand_built(is_causal=False), "node 'scaled_dot_product_attention' .* is not causal"),
     (lambda: _hand_built(is_causal=True, dropout_p=0.1), "node 'scaled_dot_product_attention' .* dropout 0.1"),
@@ -117,17 +132,3 @@ def test_packed_equals_per_sequence_eager_forward_and_gradients(model_cls, bucke
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     for name, p in model.named_parameters():  # fp32 sums of O(10) values: relative 1e-5 as well
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
-
-
-def test_decorated_class_compiles_on_first_use():
-    @hcompile.hydraulis
-    class Tiny(GPT):
-        pass
-
-    model = init_weights_(Tiny())
-    lens = [4, 6]
-    ids, cu = _packed_batch(lens)
-    out = model.packed(ids, cu)
-    ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-    assert model.hcompiled is model.hcompiled

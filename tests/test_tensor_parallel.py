@@ -1,5 +1,6 @@
 """Tensor parallel: golden plan/graph on hand-built graphs, named errors, and gloo runs on 2 and 4 ranks that
-match the unsharded model's logits, loss and gradient slices."""
+match the unsharded model's logits, loss and gradient slices (alone, and combined with packed attention in
+a compiled variant)."""
 
 import operator
 import pickle
@@ -16,6 +17,7 @@ from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
 from passes.ir import ParallelScheme
 from passes.pass_runner import PassContext, PassError, propagate_vals, run_passes
 from passes.tensor_parallel import decide_tensor_parallel, shard_tensor_parallel_pass
+from passes.variant import VariantKey, build_variant
 
 CASES = {
     "gpt": (GPT, GPTConfig(layers=1, heads=4, hidden=64)),
@@ -58,9 +60,31 @@ def _check_rank(rank, world, name, graph_bytes, output_index):
     assert split >= 4 * cfg.layers, plan.describe()
 
 
-def _tp_worker(rank, world, graphs):
+def _check_packed_variant(rank, world, graph_bytes, output_index):
+    """The whole stack on one rank: tensor parallel + packed attention, compiled as a variant."""
+    model, cfg, _, _ = _case("llama")
+    gm = pickle.loads(graph_bytes)
+    propagate_vals(gm, [torch.zeros(1, 32, dtype=torch.long)])
+    key = VariantKey(scheme=ParallelScheme(tp=world), stage=0, bucket=32)
+    variant = build_variant(gm, key, tp_rank=rank, tp_group=dist.group.WORLD.group_name, output_index=output_index)
+    lens = [7, 1, 12, 5]
+    ids = torch.randint(0, cfg.vocab, (sum(lens),), generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, 7, 8, 20, 25], dtype=torch.int32)
+    logits = variant.logits(variant(ids, cu), len(ids))
+    F.cross_entropy(logits, ids.roll(-1), reduction="sum").backward()
+    ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
+    F.cross_entropy(ref, ids.roll(-1), reduction="sum").backward()
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    for sl, grad in zip(variant.params, variant.grads().values()):
+        torch.testing.assert_close(grad, sl.take(model.get_parameter(sl.name).grad), rtol=1e-5, atol=1e-5,
+                                   msg=sl.describe())
+    assert variant.counter.count == 1
+
+
+def _tp_worker(rank, world, graphs, packed):
     for name, (graph_bytes, output_index) in graphs.items():
         _check_rank(rank, world, name, graph_bytes, output_index)
+    _check_packed_variant(rank, world, *packed)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -70,7 +94,9 @@ def test_tensor_parallel_matches_unsharded_on_gloo(world, tmp_path):
         model, _, ids, _ = _case(name)
         cap = capture(model, ids)
         graphs[name] = (pickle.dumps(cap.graph_module), cap.output_index)
-    run_ranks(_tp_worker, world, tmp_path, graphs, timeout=180)
+    cap = capture(_case("llama")[0], torch.zeros(1, 32, dtype=torch.long))
+    packed = (pickle.dumps(cap.graph_module), cap.output_index)
+    run_ranks(_tp_worker, world, tmp_path, graphs, packed, timeout=180)
 
 
 def test_plan_golden_for_llama_with_replicated_kv_heads():
