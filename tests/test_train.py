@@ -12,7 +12,7 @@ MODELS = {
     "gpt": (GPT, GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=128)),
     "llama": (Llama, LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64)),
 }
-STRATEGIES = ["4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)"]
+STRATEGIES = ["4x(tp1)", "1x(tp2)+2x(tp1)", "1x(tp2,pp2)"]
 
 
 def batches(vocab):
