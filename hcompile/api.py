@@ -59,8 +59,11 @@ class CompiledModel:
 
     def packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Logits (T, vocab) of n packed sequences; equals the model on each sequence, concatenated."""
-        ids, cu, max_seqlen, total, bucket = _pad_to_bucket(input_ids, cu_seqlens, self.buckets)
-        out = self.packed_graph(bucket)(ids, cu, max_seqlen)[self.captured(bucket).output_index]
+        total = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+        bucket = self.buckets.bucket_for(total) if self.buckets is not None else total
+        ids, cu = pad_to_bucket(input_ids, cu_seqlens, bucket)
+        max_seqlen = bucket if self.buckets is not None else int((cu[1:] - cu[:-1]).max())
+        out = self.packed_graph(bucket)(ids[None], cu, max_seqlen)[self.captured(bucket).output_index]
         return out[0, :total]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, *, tp_rank: int = 0,
@@ -83,28 +86,14 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def _pad_to_bucket(
-    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, buckets: TokenBuckets | None
-) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
-    """(ids (1, bucket), cu_seqlens with the padding sequence, max_seqlen, real tokens, bucket); without
-    buckets the bucket is the exact token count and max_seqlen the longest sequence."""
-    if input_ids.dim() != 1:
-        raise ValueError(f"packed input_ids must be (total_tokens,), got shape {tuple(input_ids.shape)}")
-    total = int(input_ids.shape[0])
-    bucket = buckets.bucket_for(total) if buckets is not None else total
-    ids, cu = pad_to_bucket(input_ids, cu_seqlens, bucket)
-    max_seqlen = bucket if buckets is not None else int((cu[1:] - cu[:-1]).max())
-    return ids[None], cu, max_seqlen, total, bucket
-
-
 def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
             **training: Any) -> Any:
     """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use).
 
     ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
     ``backend``: the torch.compile backend of the variants. With training options (``loss``, ``optimizer``,
-    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``) it returns a ``hcompile.train.Trainer``
-    whose ``train_step(batch)`` trains on every rank."""
+    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``cost_model``, ``dataset``,
+    ``cluster``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
     compiled = CompiledModel(model, buckets=buckets, backend=backend)

@@ -15,25 +15,23 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import fx
 
-from hcompile.api import CompiledModel, _copy_graph, _pad_to_bucket
+from hcompile.api import CompiledModel
 from passes.analyze import Hardware, analytic_cost_model, analyze_graph
 from passes.datasets import LengthDataset
-from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
-from passes.packed_attention import rewrite_packed_attention_pass
-from passes.pass_runner import PassContext, run_passes
+from passes.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
-from passes.tensor_parallel import ParamSlice, decide_tensor_parallel, shard_tensor_parallel_pass
-from passes.variant import TokenBuckets
+from passes.tensor_parallel import ParamSlice
+from passes.variant import TokenBuckets, Variant
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
 from runtime.executor import Executor, StepStats
-from runtime.fixed_layout import FixedLayout, full_slice
+from runtime.fixed_layout import FixedLayout
 from runtime.planning import PlanService
-from runtime.topology import Cluster
+from runtime.topology import Cluster, place
 
-__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model"]
+__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens"]
 
 CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0, link_gbps=5.0,
                fixed_ms_per_layer=0.2, gpus_per_node=1024)
@@ -53,7 +51,7 @@ class TrainOptions:
     """``auto`` (a pool built from the data) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")``."""
     max_tokens: int | None = None
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
-    None: the cost model's own caps."""
+    None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
     policy: str = "hydraulis"
     """Planner policy (the baselines are available for side-by-side runs)."""
     buckets: TokenBuckets | None = None
@@ -72,77 +70,109 @@ class TrainOptions:
                 Strategy.parse(text)
 
 
-class _PackedStage:
-    """A StageProgram: rank ``tp_rank``'s part of the whole model (pp = 1) over a packed micro-batch."""
+class _VariantStage:
+    """A StageProgram over the compiler's variants of one (scheme, stage, TP rank): a micro-batch runs the
+    variant of its token bucket; each variant used in a step takes the step's parameters on first use and
+    the step's gradients are summed over the variants used."""
 
-    def __init__(self, provider: "CompiledProvider", scheme: ParallelScheme, tp_rank: int, group_name: str | None):
-        self.provider, self.scheme, self.tp_rank, self.group_name = provider, scheme, tp_rank, group_name
-        self.param_slices: dict[str, ParamSlice] = provider.slices(scheme, tp_rank)
+    def __init__(self, provider: "CompiledProvider", scheme: ParallelScheme, stage: int, tp_rank: int,
+                 group_name: str | None):
+        self.provider, self.scheme, self.stage, self.tp_rank, self.group = provider, scheme, stage, tp_rank, group_name
+        first = provider.variant(scheme, stage, provider.buckets.sizes[0], tp_rank, group_name)
+        self.param_slices: dict[str, ParamSlice] = {sl.name: sl for sl in first.params}
+        self._full: Mapping[str, torch.Tensor] | None = None
+        self._used: dict[int, Variant] = {}
 
-    def __call__(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int) -> torch.Tensor:
-        ids, cu, max_len, total, bucket = _pad_to_bucket(x, cu_seqlens, self.provider.buckets)
-        gm = self.provider.graph(self.scheme, self.tp_rank, self.group_name, bucket)
-        out = torch.func.functional_call(gm, dict(params), (ids, cu, max_len), strict=False)
-        return out[self.provider.compiled.captured(bucket).output_index][0, :total]
+    def load(self, full: Mapping[str, torch.Tensor]) -> None:
+        self._full, self._used = full, {}
+
+    def _variant(self, bucket: int) -> Variant:
+        if bucket not in self._used:
+            v = self.provider.variant(self.scheme, self.stage, bucket, self.tp_rank, self.group)
+            v.load_(self._full)
+            for p in v.graph_module.parameters():
+                p.grad = None
+            self._used[bucket] = v
+        return self._used[bucket]
+
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                 boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        total = int(input_ids.shape[0])
+        variant = self._variant(self.provider.buckets.bucket_for(total))
+        outs = variant(input_ids, cu_seqlens, *boundary)
+        if self.stage == self.scheme.pp - 1:
+            return (variant.logits(outs, total),)
+        return tuple(outs)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, sl in self.param_slices.items():
+            total = torch.zeros(sl.local_shape)
+            for v in self._used.values():
+                grad = v.graph_module.get_parameter(name).grad
+                if grad is not None:
+                    total += grad
+            out[name] = total
+        return out
 
 
 class CompiledProvider:
-    """Stage programs from a CompiledModel: per (scheme, TP rank, bucket) one rewritten graph, built once."""
+    """Stage programs from a CompiledModel's variants (tensor parallel, packed attention, pipeline split,
+    compiled once per (scheme, stage, TP rank, bucket))."""
 
     def __init__(self, compiled: CompiledModel, buckets: TokenBuckets):
         self.compiled, self.buckets = compiled, buckets
         self.compiled.buckets = buckets
-        self._graphs: dict[tuple, fx.GraphModule] = {}
-        self._slices: dict[tuple[ParallelScheme, int], dict[str, ParamSlice]] = {}
-        self.builds = 0
+        self._stages: dict[tuple, _VariantStage] = {}
+
+    def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int, group: str | None) -> Variant:
+        return self.compiled.variant(scheme, stage, bucket, tp_rank=tp_rank, tp_group=group)
 
     def stage(self, scheme: ParallelScheme, stage: int, tp_rank: int,
-              tp_group: dist.ProcessGroup | None) -> _PackedStage:
-        if scheme.pp != 1 or stage != 0:
-            raise PlanError(f"scheme {scheme.describe()}: pipeline stages of compiled models are not supported yet "
-                            f"(use schemes with pp=1)")
-        return _PackedStage(self, scheme, tp_rank, None if tp_group is None else tp_group.group_name)
-
-    def slices(self, scheme: ParallelScheme, tp_rank: int) -> dict[str, ParamSlice]:
-        """Every parameter the model reads, with rank ``tp_rank``'s slice (whole parameters when tp = 1)."""
-        key = (scheme, tp_rank)
-        if key not in self._slices:
-            if scheme.tp == 1:
-                self._slices[key] = {n: full_slice(n, tuple(p.shape)) for n, p in self.compiled.model.named_parameters()}
-            else:
-                gm = self.compiled.captured(self.buckets.sizes[0]).graph_module
-                plan = decide_tensor_parallel(gm, scheme.tp, tp_rank)
-                self._slices[key] = {p.name: p for p in plan.params}
-        return self._slices[key]
-
-    def graph(self, scheme: ParallelScheme, tp_rank: int, group_name: str | None, bucket: int) -> fx.GraphModule:
-        """The packed (and, for tp > 1, sharded) graph for ``bucket`` tokens."""
-        key = (scheme, tp_rank, group_name, bucket)
-        if key not in self._graphs:
-            source = self.compiled.captured(bucket).graph_module
-            gm = fx.GraphModule(source, _copy_graph(source))
-            ctx = PassContext(scheme=scheme, tp_rank=tp_rank, tp_group=group_name)
-            gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass], ctx)
-            self._graphs[key] = gm
-            self.builds += 1
-        return self._graphs[key]
+              tp_group: dist.ProcessGroup | None) -> _VariantStage:
+        group = None if tp_group is None else tp_group.group_name
+        key = (scheme, stage, tp_rank, group)
+        if key not in self._stages:
+            self._stages[key] = _VariantStage(self, scheme, stage, tp_rank, group)
+        return self._stages[key]
 
     def recompiles(self) -> int:
-        return self.builds
+        """torch.compile compilations of every variant built so far."""
+        return sum(v.counter.count for v in self.compiled._variants.values())
+
+    def largest_bucket(self, up_to: int) -> int:
+        """The largest bucket (up to the first >= ``up_to``) the model can be captured at. Capture runs the
+        model on one packed row, so a learned position table bounds a micro-batch's tokens."""
+        largest = 0
+        for bucket in self.buckets.sizes:
+            try:
+                self.compiled.captured(bucket)
+            except Exception:
+                if largest == 0:
+                    raise
+                break
+            largest = bucket
+            if bucket >= up_to:
+                break
+        return largest
 
 
 def cpu_cost_model(compiled: CompiledModel, world_size: int, max_tokens: int | None) -> CostModel:
-    """Analytic cost model of the captured graph on a CPU, schemes tp in divisors of the head count (pp = 1),
-    each capped at ``max_tokens * tp`` tokens per micro-batch when a per-rank cap is given."""
+    """Analytic cost model of the captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
+    pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens per micro-batch (1024 per rank when None)."""
     analysis = analyze_graph(compiled.captured(64).graph_module)
     heads = min((site.heads for site in analysis.attention), default=1)
-    schemes = [ParallelScheme(tp=tp) for tp in range(1, world_size + 1)
-               if world_size % tp == 0 and heads % tp == 0]
+    schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
+               if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
     model = analytic_cost_model(analysis, CPU, schemes, name=f"{type(compiled.model).__name__}@cpu")
-    if max_tokens is None:
-        return model
-    entries = tuple(dataclasses.replace(e, max_tokens=max_tokens * e.scheme.tp) for e in model.entries)
+    per_rank = 1024 if max_tokens is None else max_tokens
+    return cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
+
+
+def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:
+    """``model`` with each scheme's ``max_tokens`` lowered to ``caps[scheme]``."""
+    entries = tuple(dataclasses.replace(e, max_tokens=min(e.max_tokens, caps.get(e.scheme, e.max_tokens)))
+                    for e in model.entries)
     return dataclasses.replace(model, entries=entries)
 
 
@@ -160,7 +190,11 @@ class Trainer:
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider)
-        self.cost_model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
+        model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
+        if cost_model is not None and options.max_tokens is not None:
+            model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
+        capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
+        self.cost_model = cap_tokens(model, {e.scheme: capturable for e in model.entries})
         self._service: PlanService | None = None
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
@@ -176,7 +210,22 @@ class Trainer:
                 pool = [Strategy.parse(s) for s in self.options.strategies]
             planner = Planner(self.cost_model, self.ctx.world_size, pool, fixed)
             self._service = PlanService(planner, self.ctx.rank, self.options.policy)
+            self.warm_up([*pool, fixed])
         return self._service
+
+    def warm_up(self, strategies: Sequence[Strategy]) -> None:
+        """Compile, before the first step, every variant these strategies can need: for each strategy and
+        token bucket up to its replicas' caps, a dry-run step (forward and backward, parameters untouched)
+        with one micro-batch of that bucket on every replica that can hold it (collective)."""
+        sizes = self.provider.buckets.sizes
+        for strategy in strategies:
+            replicas = strategy.replicas()
+            top = [self.provider.buckets.bucket_for(self.cost_model.max_tokens(s)) for s in replicas]
+            for bucket in (b for b in sizes if b <= max(top)):
+                lens = [min(bucket, self.cost_model.max_tokens(s)) if bucket <= t else 0
+                        for s, t in zip(replicas, top)]
+                self.executor.run_step(_dry_plan(strategy, lens, self.cluster), [
+                    torch.zeros(n, dtype=torch.long) for n in lens if n], dry_run=True)
 
     def _submit(self, seq_lens: Sequence[int], strategy: str | None) -> None:
         self._planner(seq_lens).submit(list(seq_lens), Strategy.parse(strategy) if strategy else None)
@@ -191,17 +240,37 @@ class Trainer:
             if self._submitted is not None:
                 self._service.take()  # a stale prefetch: drain it so every rank stays in step
             self._submit(seq_lens, strategy)
-        planned = self._service.take()
         self._submitted = None
+        planned = self._service.take()
         if next_batch is not None:
             self._submit(_check_batch(next_batch), None)
         self.last_plan = planned
         stats = self.executor.run_step(planned.plan, [t.to(self.ctx.device) for t in batch])
         return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
 
+    def save(self, path: str, step: int, data_position: int) -> None:
+        """Checkpoint the fixed layout, optimiser state, step and data position (collective, atomic)."""
+        save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position)
+
+    def load(self, path: str) -> dict:
+        """Resume from ``save``; returns ``{"step", "data_position", ...}``."""
+        return load_checkpoint(path, self.layout, self.optimizer)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""
         return self.layout.full_state_dict()
+
+
+def _dry_plan(strategy: Strategy, lens: list[int], cluster: Cluster) -> StepPlan:
+    """A plan giving replica i one sequence of ``lens[i]`` tokens (none when 0)."""
+    placement = place(strategy, cluster)
+    seq_lens, replicas = [], []
+    for scheme, ranks, n in zip(strategy.replicas(), placement.replica_ranks, lens):
+        micro = ((len(seq_lens),),) if n else ()
+        seq_lens.extend([n] if n else [])
+        replicas.append(ReplicaPlan(scheme=scheme, ranks=ranks, micro_batches=micro, max_tokens=max(n, 1), est_ms=0.0))
+    return StepPlan(strategy=strategy, seq_lens=tuple(seq_lens), replicas=tuple(replicas), est_step_ms=0.0,
+                    lower_bound_ms=0.0, policy="warm-up")
 
 
 def _check_batch(batch: Sequence[torch.Tensor]) -> list[int]:

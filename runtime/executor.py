@@ -25,14 +25,21 @@ __all__ = ["StageProgram", "VariantProvider", "StepStats", "Executor", "pack_mic
 
 
 class StageProgram(Protocol):
-    """One pipeline stage of one scheme on one TP rank: a function of its parameters and its input."""
+    """One pipeline stage of one scheme on one TP rank. It holds its parameter slices: ``load`` copies them
+    in from the full parameters, calls accumulate gradients, ``grads`` hands them out."""
 
     param_slices: Mapping[str, ParamSlice]
     """Every parameter the stage uses, and the slice of it this rank holds."""
 
-    def __call__(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int) -> torch.Tensor:
-        """Stage 0 takes token ids (T,), later stages the previous stage's output; the last returns logits."""
+    def load(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Take this rank's slices of ``full`` and clear accumulated gradients."""
+
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                 boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs: the tensors the next stage takes, or ``(logits,)`` (T, vocab) on the last."""
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Gradient of each parameter slice accumulated since ``load`` (zeros where none flowed)."""
 
 
 class VariantProvider(Protocol):
@@ -91,8 +98,9 @@ class Executor:
         self.optimizer, self.provider = optimizer, provider
         self.groups = GroupCache()
 
-    def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor]) -> StepStats:
-        """One training step: every rank calls it with the same plan and the same global batch."""
+    def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor], dry_run: bool = False) -> StepStats:
+        """One training step: every rank calls it with the same plan and the same global batch. A dry run
+        computes forward and backward (compiling what it meets) but leaves parameters and optimiser alone."""
         started = time.perf_counter()
         bytes_before = (self.layout.param_bytes_moved, self.layout.grad_bytes_moved)
         placement = place(plan.strategy, self.cluster)
@@ -101,21 +109,22 @@ class Executor:
         scheme = plan.replicas[replica].scheme
         tp_group = self.groups.get(placement.tp_groups(replica)[stage])
         program = self.provider.stage(scheme, stage, tp_rank, tp_group)
-        full = self.layout.gather()
-        params = {n: s.take(full[n]).detach().clone().requires_grad_(True) for n, s in program.param_slices.items()}
+        program.load(self.layout.gather())
         pairs = global_pair_count(plan.seq_lens)
         busy_start = time.thread_time()
         micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in plan.replicas[replica].micro_batches]
         if scheme.pp == 1:
-            loss_sum = self._run_local(program, params, micro, pairs)
+            loss_sum = self._run_local(program, micro, pairs)
         else:
-            loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, params, micro, pairs)
+            loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, micro, pairs)
         busy_ms = (time.thread_time() - busy_start) * 1e3
         counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else 0.0
-        self.layout.reduce_gradients({n: (s, _grad_or_zeros(params[n]), grad_weight(s, scheme.tp))
-                                     for n, s in program.param_slices.items()})
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not dry_run:
+            grads = program.grads()
+            self.layout.reduce_gradients({n: (s, grads[n], grad_weight(s, scheme.tp))
+                                          for n, s in program.param_slices.items()})
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)
         summary = torch.tensor([counted, busy_ms, float(tokens)], dtype=torch.float64)
         gathered = [torch.zeros_like(summary) for _ in range(self.ctx.world_size)]
@@ -130,18 +139,14 @@ class Executor:
         )
 
     @staticmethod
-    def _run_local(program: StageProgram, params: dict, micro: list, pairs: int) -> float:
+    def _run_local(program: StageProgram, micro: list, pairs: int) -> float:
         total = 0.0
         for ids, cu, max_len in micro:
-            logits = program(params, ids, cu, max_len)
+            (logits,) = program(ids, cu, max_len, ())
             loss = packed_causal_lm_loss_sum(logits, ids, cu)
             (loss / pairs).backward()
             total += float(loss.detach())
         return total
-
-
-def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 class _Pipeline:
@@ -157,32 +162,46 @@ class _Pipeline:
         self.device = ex.ctx.device
         self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Non-blocking, so that neighbours sending to each other at once cannot deadlock."""
-        shape = torch.tensor([tensor.dim(), *tensor.shape, *([0] * (4 - tensor.dim()))], dtype=torch.int64)
-        payload = tensor.detach().contiguous()
-        self.in_flight.append((dist.isend(shape, dst), shape))
-        self.in_flight.append((dist.isend(payload, dst), payload))
+    def _send(self, items: Sequence, dst: int) -> None:
+        """Non-blocking (neighbours sending to each other at once cannot deadlock): a header with the
+        items' structure (a tensor, or a tuple of k tensors) and each tensor's dtype and shape, then the
+        tensors."""
+        structure, leaves = _flatten(items)
+        header = [len(leaves), len(structure), *structure, *([0] * (_MAX_ITEMS - len(structure)))]
+        for t in leaves:
+            header += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
+        header_t = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64)
+        self.in_flight.append((dist.isend(header_t, dst), header_t))
+        for t in leaves:
+            payload = t.detach().contiguous()
+            self.in_flight.append((dist.isend(payload, dst), payload))
 
-    def _recv(self, src: int, dtype: torch.dtype) -> torch.Tensor:
-        shape = torch.zeros(5, dtype=torch.int64)
-        dist.recv(shape, src)
-        out = torch.empty([int(d) for d in shape[1:1 + int(shape[0])]], dtype=dtype, device=self.device)
-        dist.recv(out, src)
-        return out
+    def _recv(self, src: int) -> list:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        dist.recv(header, src)
+        values = header.tolist()
+        n_leaves, n_items = values[0], values[1]
+        structure, pos, leaves = values[2:2 + n_items], 2 + _MAX_ITEMS, []
+        for _ in range(n_leaves):
+            dtype, dims = _DTYPES[values[pos]], values[pos + 1]
+            t = torch.empty(values[pos + 2:pos + 2 + dims], dtype=dtype, device=self.device)
+            pos += 2 + _MAX_DIMS
+            dist.recv(t, src)
+            leaves.append(t)
+        return _unflatten(structure, leaves)
 
-    def run(self, program: StageProgram, params: dict, micro: list, pairs: int) -> float:
+    def run(self, program: StageProgram, micro: list, pairs: int) -> float:
         v = len(micro)
         warmup = min(self.pp - self.stage - 1, v)
-        pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        pending: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
         total = 0.0
         order = ["F"] * warmup + ["F", "B"] * (v - warmup) + ["B"] * warmup
         forwards = 0
         for op in order:
             if op == "F":
-                out, inp, loss = self._forward(program, params, micro[forwards], pairs)
+                outs, inputs, loss = self._forward(program, micro[forwards], pairs)
                 total += loss
-                pending.append((out, inp))
+                pending.append((outs, inputs))
                 forwards += 1
             else:
                 self._backward(*pending.pop(0))
@@ -190,26 +209,62 @@ class _Pipeline:
             work.wait()
         return total
 
-    def _forward(self, program, params, mb, pairs):
+    def _forward(self, program: StageProgram, mb: tuple, pairs: int):
         ids, cu, max_len = mb
-        if self.prev is None:
-            inp = None
-            x = ids
-        else:
-            inp = self._recv(self.prev, torch.float32).requires_grad_(True)
-            x = inp
-        out = program(params, x, cu, max_len)
+        inputs = [] if self.prev is None else self._recv(self.prev)
+        for t in _flatten(inputs)[1]:
+            if t.is_floating_point():
+                t.requires_grad_(True)
+        outs = program(ids, cu, max_len, tuple(inputs))
         if self.next is not None:
-            self._send(out, self.next)
-            return out, inp, 0.0
-        loss = packed_causal_lm_loss_sum(out, ids, cu)
-        return loss / pairs, inp, float(loss.detach())
+            self._send(outs, self.next)
+            return outs, inputs, 0.0
+        loss = packed_causal_lm_loss_sum(outs[0], ids, cu)
+        return (loss / pairs,), inputs, float(loss.detach())
 
-    def _backward(self, out: torch.Tensor, inp: torch.Tensor | None) -> None:
+    def _backward(self, outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> None:
         if self.next is None:
-            out.backward()
+            outs[0].backward()
         else:
-            grad = self._recv(self.next, out.dtype)
-            out.backward(grad)
-        if inp is not None:
-            self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev)
+            grads = iter(_flatten(self._recv(self.next))[1])
+            pairs = [(o, next(grads)) for o in _flatten(outs)[1] if o.is_floating_point()]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.prev is not None:
+            self._send([t.grad if t.grad is not None else torch.zeros_like(t)
+                        for t in _flatten(inputs)[1] if t.is_floating_point()], self.prev)
+
+
+def _flatten(items: Sequence) -> tuple[list[int], list[torch.Tensor]]:
+    """Boundary items (tensors, or tuples of tensors) as a structure (-1: a tensor, k: a k-tuple) and leaves."""
+    structure, leaves = [], []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            structure.append(-1)
+            leaves.append(item)
+        elif isinstance(item, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in item):
+            structure.append(len(item))
+            leaves.extend(item)
+        else:
+            raise TypeError(f"a pipeline boundary carries tensors or tuples of tensors, got {type(item).__name__}")
+    if len(structure) > _MAX_ITEMS or len(leaves) > _MAX_LEAVES:
+        raise ValueError(f"a pipeline boundary of {len(structure)} items / {len(leaves)} tensors is too large")
+    return structure, leaves
+
+
+def _unflatten(structure: list[int], leaves: list[torch.Tensor]) -> list:
+    out, pos = [], 0
+    for k in structure:
+        if k == -1:
+            out.append(leaves[pos])
+            pos += 1
+        else:
+            out.append(tuple(leaves[pos:pos + k]))
+            pos += k
+    return out
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.float64]
+_MAX_DIMS, _MAX_ITEMS, _MAX_LEAVES = 4, 8, 16
+_HEADER = 2 + _MAX_ITEMS + _MAX_LEAVES * (2 + _MAX_DIMS)

@@ -63,10 +63,10 @@ class PlanService:
             self._thread.join()
             self._thread = None
             plan, plan_ms, error = self._result
-            payload = [(plan, plan_ms, hidden, None if error is None else f"{type(error).__name__}: {error}")]
+            payload = [(plan, plan_ms, hidden, error)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
         plan, plan_ms, hidden, error = payload[0]
-        if error is not None:
-            raise RuntimeError(f"planning failed on rank 0: {error}")
+        if error is not None:  # the same exception on every rank, so that every rank stops or goes on alike
+            raise error
         return PlannedStep(plan=plan, plan_ms=plan_ms, hidden=hidden)

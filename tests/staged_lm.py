@@ -61,15 +61,26 @@ class StagedProgram:
             names += ["ln_f", "head"]
         shapes = {n: tuple(t.shape) for n, t in init_params(0).items()}
         self.param_slices = {n: full_slice(n, shapes[n]) for n in names}
+        self.params: dict[str, torch.Tensor] = {}
 
-    def __call__(self, p, x, cu_seqlens, max_seqlen):
-        if self.stage == 0:
-            x = p["emb"][x] + p["pos"][_positions(cu_seqlens)]
-        for i in stage_layers(self.stage, self.pp):
-            x = _block(p, i, x, cu_seqlens)
-        if self.stage == self.pp - 1:
-            x = F.linear(F.layer_norm(x, (HIDDEN,), p["ln_f"]), p["head"])
-        return x
+    def load(self, full):
+        self.params = {n: full[n].detach().clone().requires_grad_(True) for n in self.param_slices}
+
+    def grads(self):
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
+
+    def __call__(self, ids, cu_seqlens, max_seqlen, boundary):
+        return (forward_stage(self.params, self.stage, self.pp, boundary[0] if boundary else ids, cu_seqlens),)
+
+
+def forward_stage(p, stage, pp, x, cu_seqlens):
+    if stage == 0:
+        x = p["emb"][x] + p["pos"][_positions(cu_seqlens)]
+    for i in stage_layers(stage, pp):
+        x = _block(p, i, x, cu_seqlens)
+    if stage == pp - 1:
+        x = F.linear(F.layer_norm(x, (HIDDEN,), p["ln_f"]), p["head"])
+    return x
 
 
 class StagedProvider:
@@ -89,7 +100,7 @@ def reference_loss(p, batch):
     total, pairs = 0.0, 0
     for seq in batch:
         cu = torch.tensor([0, len(seq)], dtype=torch.int32)
-        logits = StagedProgram(0, 1)(p, seq, cu, len(seq))
+        logits = forward_stage(p, 0, 1, seq, cu)
         total = total + F.cross_entropy(logits[:-1], seq[1:], reduction="sum")
         pairs += len(seq) - 1
     return total / pairs

@@ -25,11 +25,17 @@ def _setup(rank, world):
     return layout, opt, Executor(ctx, Cluster.local(world), layout, opt, StagedProvider())
 
 
+def five_batches():
+    g = torch.Generator().manual_seed(9)
+    return batches() + [[torch.randint(0, 61, (n,), generator=g) for n in step]
+                        for step in ([21, 4, 4, 50, 6], [3, 33, 12, 12, 19, 7])]
+
+
 def _run(rank, world, ckpt_dir):
     from runtime.checkpoint import load_checkpoint, save_checkpoint
     from runtime.planning import PlanService
 
-    data = batches()
+    data = five_batches()
     service = PlanService(Planner(CPU_MODEL, world, POOL, fixed=POOL[0]), rank)
     layout, opt, ex = _setup(rank, world)
     losses, hidden = [], []
@@ -44,12 +50,13 @@ def _run(rank, world, ckpt_dir):
             save_checkpoint(ckpt_dir, layout, opt, step=2, data_position=2)
             saved_plan = planned.plan
     uninterrupted = layout.full_state_dict()
-    # resume from the checkpoint in a fresh layout and optimiser, run the last step again
+    # resume from the step-2 checkpoint in a fresh layout and optimiser, run steps 3 to 5 again
     layout2, opt2, ex2 = _setup(rank, world)
     meta = load_checkpoint(ckpt_dir, layout2, opt2)
-    plan = Planner(CPU_MODEL, world, POOL, fixed=POOL[0]).plan([len(s) for s in data[meta["data_position"]]])
-    resumed_loss = ex2.run_step(plan, data[meta["data_position"]]).loss
-    return losses, hidden, resumed_loss, uninterrupted, layout2.full_state_dict(), saved_plan.strategy.describe()
+    planner = Planner(CPU_MODEL, world, POOL, fixed=POOL[0])
+    resumed_losses = [ex2.run_step(planner.plan([len(s) for s in batch]), batch).loss
+                      for batch in data[meta["data_position"]:]]
+    return losses, hidden, resumed_losses, uninterrupted, layout2.full_state_dict(), saved_plan.strategy.describe()
 
 
 def test_overlapped_planning_adamw_and_resume(tmp_path):
@@ -57,18 +64,18 @@ def test_overlapped_planning_adamw_and_resume(tmp_path):
     params = {k: v.clone().requires_grad_(True) for k, v in init_params(0).items()}
     opt = torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.1)
     expected = []
-    for batch in batches():
+    for batch in five_batches():
         loss = reference_loss(params, batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
         expected.append(float(loss.detach()))
-    for losses, hidden, resumed_loss, uninterrupted, resumed, _ in results:
+    for losses, hidden, resumed_losses, uninterrupted, resumed, _ in results:
         assert losses == pytest.approx(expected, rel=1e-4)
-        assert resumed_loss == pytest.approx(losses[-1], rel=1e-6)
+        assert resumed_losses == pytest.approx(losses[2:], rel=1e-6)
         for name, p in params.items():
             # Adam divides by sqrt(v): float noise in near-zero gradients shows up around 1e-5
             torch.testing.assert_close(uninterrupted[name], p.detach(), rtol=1e-3, atol=1e-4)
             torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=1e-6, atol=1e-7)
-    assert len(results[0][1]) == 3 and (tmp_path / "ckpt" / "meta.json").exists()
+    assert len(results[0][1]) == 5 and (tmp_path / "ckpt" / "meta.json").exists()
     assert not (tmp_path / "ckpt.tmp").exists()
