@@ -98,7 +98,8 @@ class E2EConfig:
         """Tensor-parallel degrees planned with: divisors of the rank count up to ``max_tp`` that divide the
         kv heads."""
         kv = CPU_MODELS[self.model].kv_heads
-        return tuple(tp for tp in range(1, min(self.ranks, self.max_tp) + 1) if self.ranks % tp == 0 and kv % tp == 0)
+        top = min(self.ranks, self.max_tp)
+        return tuple(tp for tp in range(1, top + 1) if self.ranks % tp == 0 and kv % tp == 0)
 
 
 def scale_dataset(dataset: LengthDataset, context: int) -> LengthDataset:
@@ -123,8 +124,8 @@ def _check_fits(cfg: E2EConfig, data: LengthDataset) -> None:
                         f"{cfg.max_tokens} tokens; raise --max-tokens or lower --context")
 
 
-def build_cost_model(cfg: E2EConfig, show_progress: bool) -> tuple[CostModel, dict]:
-    """The planner's cost model and where it came from."""
+def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[CostModel, dict]:
+    """The planner's cost model and where it came from (a fresh profile is written under ``out``)."""
     schemes = [ParallelScheme(tp=tp) for tp in cfg.tps]
     if cfg.cost == "analytic":
         from hcompile.api import CompiledModel
@@ -134,8 +135,8 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool) -> tuple[CostModel, di
     if cfg.cost == "profile":
         job = ProfileJob(model=cfg.model, tps=cfg.tps, max_tokens=cfg.max_tokens, gpus=cfg.ranks, seed=cfg.seed)
         report = run_profile(job, show_progress=show_progress)
-        Path("results").mkdir(exist_ok=True)
-        path = Path("results") / f"profile-{cfg.model}.json"
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"profile-{cfg.model}.json"
         path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
         profile, info = report.profile(), {"cost": "profile", "profile_file": str(path)}
         info["fit"] = {f.scheme.describe(): {"r2": round(f.r2, 4), "mape_held_out": round(f.mape, 4)}
@@ -145,13 +146,13 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool) -> tuple[CostModel, di
     return cost_model_from_profile(profile, cfg.max_tokens, schemes, gpus_per_node=cfg.ranks), info
 
 
-def run_e2e(cfg: E2EConfig, show_progress: bool = True) -> dict:
+def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("results")) -> dict:
     """Profile (unless given a cost model), then train every policy on the same batches; the raw records."""
     from benchmarks.e2e_rank import RankJob, rank_main
 
     data = scale_dataset(load_dataset(cfg.dataset), cfg.context)
     _check_fits(cfg, data)
-    cost_model, cost_info = build_cost_model(cfg, show_progress)
+    cost_model, cost_info = build_cost_model(cfg, show_progress, out)
     batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
     buckets = token_buckets(cfg.max_tokens * max(cfg.tps))
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        result = run_e2e(cfg, show_progress=True)
+        result = run_e2e(cfg, show_progress=True, out=Path(args.out))
     except PlanError as exc:
         print(f"benchmarks.e2e: error: {exc}", file=sys.stderr)
         return 2

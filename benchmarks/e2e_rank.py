@@ -1,7 +1,8 @@
-"""What each rank of the compile-and-run harness does: for every policy in turn, a ``Trainer`` of the same
-compiled model (same initial weights, same batches), every variant the policy's strategies can use compiled
-up front, warm-up steps, then measured steps; rank 0 records per step the plan (strategy, per replica its
-ranks, scheme and micro-batches) and the runtime's ``StepStats``."""
+"""What each rank of the compile-and-run harness does: for every policy a ``Trainer`` of the same compiled
+model (same initial weights, same batches) with every variant its strategies can use compiled up front; then
+the steps, the policies interleaved step by step so that background load hits them alike (warm-up steps
+first, not measured). Rank 0 records per step the plan (strategy, per replica its ranks, scheme and
+micro-batches) and the runtime's ``StepStats``."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[fl
     }
 
 
-def _run_policy(job: RankJob, compiled, policy: str, data: list, progress) -> dict:
+def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
+    """A Trainer for ``policy`` from the initial weights, with every variant it can use compiled."""
     from hcompile.models import init_weights_
     from hcompile.train import Trainer, TrainOptions
 
@@ -107,25 +109,25 @@ def _run_policy(job: RankJob, compiled, policy: str, data: list, progress) -> di
                            policy=policy, buckets=buckets)
     trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
     planner = trainer._planner(list(job.batches[0])).planner
-    strategies = list(planner.pool) + [planner.fixed] if policy not in ("padding", "fixed-packing",
-                                                                        "homogeneous-token") else [planner.fixed]
+    baseline = policy in ("padding", "fixed-packing", "homogeneous-token")
+    strategies = [planner.fixed] if baseline else list(planner.pool) + [planner.fixed]
     started = time.perf_counter()
     builds = _precompile(trainer, strategies, job.cost_model, buckets)
-    compile_s = time.perf_counter() - started
-    steps, warm_recompiles = [], builds
-    for i, batch in enumerate(data):
-        t0 = time.perf_counter()
-        stats = trainer.train_step(batch, next_batch=data[i + 1] if i + 1 < len(data) else None)
-        wall = (time.perf_counter() - t0) * 1e3
-        plan = trainer.last_plan.plan
-        if i == job.warmup - 1:
-            warm_recompiles = stats.recompiles
-        if i >= job.warmup:
-            steps.append(_step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, buckets)))
-        progress(policy, i + 1, len(data))
-    return {"pool": [s.describe() for s in planner.pool], "fixed": planner.fixed.describe(), "compile_s": compile_s,
-            "builds_before_steps": builds, "recompiles_after_warmup": steps[-1]["recompiles"] - warm_recompiles,
-            "steps": steps}
+    return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool],
+            "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
+            "builds_before_steps": builds, "warm_recompiles": builds, "steps": []}
+
+
+def _step(job: RankJob, state: dict, data: list, i: int) -> None:
+    trainer = state["trainer"]
+    t0 = time.perf_counter()
+    stats = trainer.train_step(data[i], next_batch=data[i + 1] if i + 1 < len(data) else None)
+    wall = (time.perf_counter() - t0) * 1e3
+    plan = trainer.last_plan.plan
+    if i == job.warmup - 1:
+        state["warm_recompiles"] = stats.recompiles
+    if i >= job.warmup:
+        state["steps"].append(_step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"])))
 
 
 def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
@@ -136,9 +138,18 @@ def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
     compiled = CompiledModel(build_model(job.model, job.seed), buckets=TokenBuckets(sizes=job.buckets))
     data = _token_batches(job)
 
-    def progress(policy: str, done: int, total: int) -> None:
+    def progress(label: str, done: int, total: int) -> None:
         if rank == 0 and job.show_progress:
-            progress_bar(f"e2e {policy:<18}", done, total)
+            progress_bar(f"e2e {label} ({len(job.policies)} policies each)", done, total)
 
-    out = {policy: _run_policy(job, compiled, policy, data, progress) for policy in job.policies}
-    return out if rank == 0 else None
+    states = {policy: _setup_policy(job, compiled, policy) for policy in job.policies}
+    for i in range(len(data)):  # policies interleaved step by step, so that background load hits them alike
+        for policy, state in states.items():
+            _step(job, state, data, i)
+        progress("steps", i + 1, len(data))
+    if rank != 0:
+        return None
+    return {policy: {"pool": st["pool"], "fixed": st["fixed"], "compile_s": st["compile_s"],
+                     "builds_before_steps": st["builds_before_steps"],
+                     "recompiles_after_warmup": st["steps"][-1]["recompiles"] - st["warm_recompiles"],
+                     "steps": st["steps"]} for policy, st in states.items()}
