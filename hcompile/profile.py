@@ -190,7 +190,7 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
         if show and rank == 0:
             progress_bar(f"profile tp{world}", i + 1, len(packs))
     saved = []
-    for total in (bucket_sizes[0], max(t for lens, _ in packs for t in [sum(lens)])):
+    for total in (bucket_sizes[0], max(sum(lens) for lens, _ in packs)):
         hooks: dict = {}
         run((total,), hooks)
         saved.append((total, sum(hooks.values())))
