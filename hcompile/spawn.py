@@ -26,7 +26,7 @@ def max_local_ranks() -> int:
     return max(64, 8 * (os.cpu_count() or 1))
 
 
-def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s: float, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -34,7 +34,6 @@ def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s
     torch.set_num_threads(1)  # per-rank busy time means "one core per rank"
     out = Path(tmp) / f"rank{rank}.pkl"
     try:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
@@ -48,9 +47,13 @@ def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s
         raise SystemExit(1)
 
 
-def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` (a module-level function) on ``world`` local ranks; each rank's return
-    value, in rank order. Raises RankError naming the first failed rank, or when ``timeout_s`` passes."""
+def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0,
+                    backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` (a module-level function) on ``world`` local ranks joined with
+    ``backend`` (``gloo``: CPU tensors; ``nccl``: rank r on GPU r); each rank's return value, in rank order.
+    Raises RankError naming the first failed rank, or when ``timeout_s`` passes."""
+    if backend not in ("gloo", "nccl"):
+        raise RankError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise RankError(f"the number of ranks must be a positive integer, got {world!r}")
     if world > max_local_ranks():
@@ -58,7 +61,7 @@ def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: f
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="hcompile-ranks-") as tmp:
-        ctx = mp.start_processes(_entry, args=(world, tmp, fn, args, timeout_s), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, tmp, fn, args, timeout_s, backend), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -88,7 +91,8 @@ def _collect(world: int, tmp: Path) -> list[Any]:
             errors.append((rank, value))
         results.append(value)
     if errors:
-        failing = [e for e in errors if "Traceback" in e[1] and "ProcessGroup" not in e[1].splitlines()[-1]]
-        rank, text = (failing or errors)[0]
+        # prefer a rank that failed on its own over ranks whose collectives failed because it died
+        own = [e for e in errors if not any(w in e[1].splitlines()[-1] for w in ("ProcessGroup", "gloo", "Connection"))]
+        rank, text = (own or errors)[0]
         raise RankError(f"rank {rank} failed:\n{text}")
     return results
