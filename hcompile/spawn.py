@@ -91,8 +91,9 @@ def _collect(world: int, tmp: Path) -> list[Any]:
             errors.append((rank, value))
         results.append(value)
     if errors:
-        # prefer a rank that failed on its own over ranks whose collectives failed because it died
-        own = [e for e in errors if not any(w in e[1].splitlines()[-1] for w in ("ProcessGroup", "gloo", "Connection"))]
-        rank, text = (own or errors)[0]
+        # prefer a rank that failed on its own over ranks killed, or whose collectives failed, because it died
+        raised = [e for e in errors if "Traceback" in e[1]]
+        own = [e for e in raised if not any(w in e[1].splitlines()[-1] for w in ("ProcessGroup", "gloo", "Connection"))]
+        rank, text = (own or raised or errors)[0]
         raise RankError(f"rank {rank} failed:\n{text}")
     return results
