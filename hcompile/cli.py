@@ -1,5 +1,6 @@
 """The ``hcompile`` command line. ``hcompile plan`` simulates the planner policies side by side on a
-cluster and a length dataset. Bad input exits with status 2 and a one-line message."""
+cluster and a length dataset; ``hcompile profile`` fits the cost model on this machine; ``hcompile launch``
+starts local ranks. Bad input exits with status 2 and a one-line message."""
 
 from __future__ import annotations
 
@@ -56,12 +57,28 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="fit the cost model on this machine by running the compiled variants",
+                       description="Time forward+backward of the compiled variants of each scheme on a sweep of "
+                                   "packed micro-batches, fit T(s) = a*s^2 + b*s + c, and write a profile JSON.")
+    p.add_argument("--model", default="llama-small", help="CPU model preset: llama-small, llama-tiny")
+    p.add_argument("--tp", type=_positive_int, action="append", dest="tps", metavar="N",
+                   help="a tensor-parallel degree to profile, repeatable (default 1, 2, 4)")
+    p.add_argument("--max-tokens", type=_positive_int, default=512, help="per-rank memory cap in tokens (512)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per micro-batch (3)")
+    p.add_argument("--gpus", type=_positive_int, default=4, help="ranks the memory constants are written for (4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out lengths (0)")
+    p.add_argument("--out", default="profile.json", help="where to write the profile JSON (profile.json)")
+    p.add_argument("--smoke", action="store_true", help="a seconds-long run: llama-tiny, tp 1 and 2, cap 128")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hcompile``."""
     parser = argparse.ArgumentParser(prog="hcompile", description="Hydraulis training compiler.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_launch(sub)
+    _add_profile(sub)
     return parser
 
 
@@ -80,6 +97,27 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hcompile.profile import ProfileJob, format_profile, run_profile
+    from hcompile.spawn import RankError
+
+    if args.smoke:
+        job = ProfileJob(model="llama-tiny", tps=(1, 2), max_tokens=128, repeats=2, gpus=args.gpus, seed=args.seed)
+    else:
+        job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), max_tokens=args.max_tokens,
+                         repeats=args.repeats, gpus=args.gpus, seed=args.seed)
+    try:
+        report = run_profile(job)
+    except RankError as exc:
+        print(f"hcompile profile: error: {exc}", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    print(format_profile(report, args.out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hcompile`` console script."""
     parser = build_parser()
@@ -87,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "profile":
+            return _run_profile(args)
         if args.command == "launch":
             from runtime.launch import launch
 

@@ -1,0 +1,325 @@
+"""Compile-and-run harness: ``python -m benchmarks.e2e`` trains a compiled model on local ranks with each
+planner policy side by side (the same initial weights, the same batches) and measures the real runtime.
+
+Owns the harness configuration, the cost model it plans with (profiled on this machine by default, or a
+profile file, or the analytic CPU model), the length dataset scaled to the model's context, the launch of the
+ranks (spawned, file:// store, hard timeout), the per-policy metrics, the table, ``--json``, the JSON lines
+stamped with commit, device and config, and the plots (``benchmarks/e2e_plots.py``).
+
+Per policy: tokens per second (wall clock); the step time with one core per rank (the largest per-rank busy
+time: per-thread CPU time of the computing thread); balance (largest over mean per-rank busy time); the cost
+model's prediction of the step as executed (micro-batches padded to their bucket) over the measured one;
+recompiles after warm-up; parameter and gradient bytes moved per step; planning time and whether it was
+hidden behind the previous step. Bad input exits with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hcompile.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
+from hcompile.spawn import RankError, max_local_ranks, run_local_ranks
+from hcompile.train import cpu_cost_model
+from passes.cost_model import load_profile_file
+from passes.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
+from passes.ir import CostModel, ParallelScheme, PlanError
+from passes.plan_policies import POLICIES
+
+__all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table", "main"]
+
+DEFAULT_POLICIES = ("hydraulis", "homogeneous-token", "fixed-packing")
+FIELDS = ("tokens_per_s", "step_ms_one_core_per_rank", "balance", "pred_over_measured", "recompiles_after_warmup",
+          "param_bytes_moved", "grad_bytes_moved", "plan_ms", "plan_hidden")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class E2EConfig:
+    """One harness run."""
+
+    model: str = "llama-small"
+    """CPU model preset (``hcompile.profile.CPU_MODELS``)."""
+    dataset: str = "python-code"
+    """Length dataset preset."""
+    context: int = 1024
+    """The dataset is scaled so that its longest sequence has this many tokens."""
+    ranks: int = 4
+    """Local ranks (gloo on CPU)."""
+    max_tokens: int = 512
+    """Per-rank memory cap in tokens: a tp = k replica holds micro-batches of up to k times this."""
+    global_tokens: int = 4096
+    """Tokens per global batch."""
+    steps: int = 8
+    """Measured steps per policy."""
+    warmup: int = 1
+    """Steps per policy before measuring (variants are compiled before these)."""
+    max_tp: int = 2
+    """Largest tensor-parallel degree profiled and planned with (the default data needs tp2: longest 1024
+    tokens, 512 per rank; tp4 would only lengthen the profile)."""
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    """Policies, side by side."""
+    cost: str = "profile"
+    """``profile`` (fit on this machine first), ``analytic``, or a profile JSON file."""
+    seed: int = 0
+    """Seed of the batches and the weights."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    timeout_s: float = 1500.0
+    """Hard limit of the training job."""
+
+    def __post_init__(self) -> None:
+        if self.model not in CPU_MODELS:
+            raise PlanError(f"unknown model {self.model!r}; known: {', '.join(CPU_MODELS)}")
+        if self.dataset not in PRESET_DATASETS:
+            raise PlanError(f"unknown dataset {self.dataset!r}; known: {', '.join(PRESET_DATASETS)}")
+        for name in ("context", "ranks", "max_tokens", "global_tokens", "steps", "max_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise PlanError(f"warmup must be a non-negative integer, got {self.warmup!r}")
+        if self.ranks > max_local_ranks():
+            raise PlanError(f"{self.ranks} ranks are more than this machine can start (at most {max_local_ranks()})")
+        if not self.policies or any(p not in POLICIES for p in self.policies):
+            raise PlanError(f"unknown policy in {list(self.policies)!r}; known: {', '.join(POLICIES)}")
+        if self.cost not in ("profile", "analytic") and not Path(self.cost).is_file():
+            raise PlanError(f"cost {self.cost!r} is neither 'profile', 'analytic' nor a profile file")
+
+    @property
+    def tps(self) -> tuple[int, ...]:
+        """Tensor-parallel degrees planned with: divisors of the rank count up to ``max_tp`` that divide the
+        kv heads."""
+        kv = CPU_MODELS[self.model].kv_heads
+        top = min(self.ranks, self.max_tp)
+        return tuple(tp for tp in range(1, top + 1) if self.ranks % tp == 0 and kv % tp == 0)
+
+
+def scale_dataset(dataset: LengthDataset, context: int) -> LengthDataset:
+    """Every length times ``context / longest``, rounded, at least 1 (a histogram of the scaled lengths)."""
+    factor = context / dataset.max_len
+    scaled: dict[int, int] = {}
+    for length, count in zip(dataset.lengths, dataset.counts):
+        key = max(1, int(round(length * factor)))
+        scaled[key] = scaled.get(key, 0) + count
+    keys = sorted(scaled)
+    return LengthDataset(name=f"{dataset.name}@{context}", lengths=tuple(keys), counts=tuple(scaled[k] for k in keys),
+                         source=f"{dataset.name} scaled by {factor:.5f}")
+
+
+def _check_fits(cfg: E2EConfig, data: LengthDataset) -> None:
+    shortest, longest = min(data.lengths), data.max_len
+    if cfg.max_tokens < shortest:
+        raise PlanError(f"the per-rank cap of {cfg.max_tokens} tokens is smaller than the shortest sequence "
+                        f"({shortest} tokens)")
+    if longest > cfg.max_tokens * max(cfg.tps):
+        raise PlanError(f"the longest sequence ({longest} tokens) needs more than tp{max(cfg.tps)} x "
+                        f"{cfg.max_tokens} tokens; raise --max-tokens or lower --context")
+
+
+def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[CostModel, dict]:
+    """The planner's cost model and where it came from (a fresh profile is written under ``out``)."""
+    schemes = [ParallelScheme(tp=tp) for tp in cfg.tps]
+    if cfg.cost == "analytic":
+        from hcompile.api import CompiledModel
+        from hcompile.profile import build_model
+
+        return cpu_cost_model(CompiledModel(build_model(cfg.model)), cfg.ranks, cfg.max_tokens), {"cost": "analytic"}
+    if cfg.cost == "profile":
+        job = ProfileJob(model=cfg.model, tps=cfg.tps, max_tokens=cfg.max_tokens, gpus=cfg.ranks, seed=cfg.seed)
+        report = run_profile(job, show_progress=show_progress)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"profile-{cfg.model}.json"
+        path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        profile, info = report.profile(), {"cost": "profile", "profile_file": str(path)}
+        info["fit"] = {f.scheme.describe(): {"r2": round(f.r2, 4), "mape_held_out": round(f.mape, 4)}
+                       for f in report.fits}
+    else:
+        profile, info = load_profile_file(cfg.cost), {"cost": "file", "profile_file": cfg.cost}
+    return cost_model_from_profile(profile, cfg.max_tokens, schemes, gpus_per_node=cfg.ranks), info
+
+
+def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("results")) -> dict:
+    """Profile (unless given a cost model), then train every policy on the same batches; the raw records."""
+    from benchmarks.e2e_rank import RankJob, rank_main
+
+    data = scale_dataset(load_dataset(cfg.dataset), cfg.context)
+    _check_fits(cfg, data)
+    cost_model, cost_info = build_cost_model(cfg, show_progress, out)
+    batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
+    buckets = token_buckets(cfg.max_tokens * max(cfg.tps))
+    job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
+                  warmup=cfg.warmup, max_tokens=cfg.max_tokens, buckets=buckets.sizes, cost_model=cost_model,
+                  dataset=data, lr=cfg.lr, show_progress=show_progress)
+    started = time.perf_counter()
+    records = run_local_ranks(cfg.ranks, rank_main, job, timeout_s=cfg.timeout_s)[0]
+    return {"config": {**asdict(cfg), "policies": list(cfg.policies), "tps": list(cfg.tps),
+                       "buckets": list(buckets.sizes), "dataset_scaled": data.source, "cost_model": cost_model.name,
+                       **cost_info},
+            "records": records, "train_wall_s": time.perf_counter() - started,
+            "coefficients": {e.scheme.describe(): [e.a, e.b, e.c, e.max_tokens] for e in cost_model.entries}}
+
+
+def _policy_summary(rec: dict) -> dict:
+    steps = rec["steps"]
+    busy = [np.asarray(s["busy_ms"]) for s in steps]
+    one_core = [float(b.max()) for b in busy]
+    tokens = sum(s["tokens"] for s in steps)
+    strategies: dict[str, int] = {}
+    for s in steps:
+        strategies[s["strategy"]] = strategies.get(s["strategy"], 0) + 1
+    return {
+        "tokens_per_s": tokens / (sum(s["wall_ms"] for s in steps) / 1e3),
+        "step_ms_one_core_per_rank": float(np.mean(one_core)),
+        "balance": float(np.mean([b.max() / b.mean() for b in busy])),
+        "pred_over_measured": float(np.mean([s["pred_ms"] / m for s, m in zip(steps, one_core)])),
+        "pred_over_measured_per_step": [round(s["pred_ms"] / m, 4) for s, m in zip(steps, one_core)],
+        "plan_est_over_measured": float(np.mean([s["est_ms"] / m for s, m in zip(steps, one_core)])),
+        "recompiles_after_warmup": int(rec["recompiles_after_warmup"]),
+        "param_bytes_moved": int(np.mean([s["param_bytes_moved"] for s in steps])),
+        "grad_bytes_moved": int(np.mean([s["grad_bytes_moved"] for s in steps])),
+        "plan_ms": float(np.mean([s["plan_ms"] for s in steps])),
+        "plan_hidden": float(np.mean([bool(s["plan_hidden"]) for s in steps])),
+        "tokens_per_s_one_core_per_rank": tokens / (sum(one_core) / 1e3),
+        "step_wall_ms": float(np.mean([s["wall_ms"] for s in steps])),
+        "final_loss": steps[-1]["loss"],
+        "strategies": strategies,
+        "pool": rec["pool"],
+        "fixed_strategy": rec["fixed"],
+        "compile_s": round(rec["compile_s"], 2),
+    }
+
+
+def summarize(result: dict) -> dict:
+    """The ``--json`` object: the config and, per policy, every metric (means over measured steps; bytes are
+    rank 0's per step; ``plan_hidden`` is the share of steps whose plan was ready before it was needed)."""
+    config = {**result["config"], "device": device_name(), "commit": commit(),
+              "coefficients": result["coefficients"], "train_wall_s": round(result["train_wall_s"], 1)}
+    return {"config": config, "policies": {name: _policy_summary(rec) for name, rec in result["records"].items()}}
+
+
+def device_name() -> str:
+    """What the ranks ran on."""
+    return f"cpu {platform.machine()} ({platform.processor() or 'unknown'}), 1 thread per rank"
+
+
+def commit() -> str:
+    """The git commit of the working tree (``unknown`` outside a checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def format_table(summary: dict, baseline: str = "homogeneous-token") -> str:
+    """The table printed at the end of a run."""
+    pols = summary["policies"]
+    base = pols.get(baseline, {}).get("step_ms_one_core_per_rank")
+    lines = [f"{'policy':<18} {'tok/s wall':>10} {'step ms 1core/rank':>18} {'vs ' + baseline[:11]:>14} "
+             f"{'balance':>8} {'pred/meas':>9} {'recomp':>6} {'param MB':>8} {'grad MB':>8} {'plan ms':>8} "
+             f"{'hidden':>6}  strategies"]
+    for name, p in pols.items():
+        speed = f"{base / p['step_ms_one_core_per_rank']:.2f}x" if base else "-"
+        strategies = ", ".join(f"{k} x{v}" for k, v in sorted(p["strategies"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"{name:<18} {p['tokens_per_s']:>10.0f} {p['step_ms_one_core_per_rank']:>18.1f} {speed:>14} "
+                     f"{p['balance']:>8.3f} {p['pred_over_measured']:>9.3f} {p['recompiles_after_warmup']:>6} "
+                     f"{p['param_bytes_moved'] / 2**20:>8.2f} {p['grad_bytes_moved'] / 2**20:>8.2f} "
+                     f"{p['plan_ms']:>8.1f} {100 * p['plan_hidden']:>5.0f}%  {strategies}")
+    return "\n".join(lines)
+
+
+def write_json_lines(result: dict, summary: dict, path: Path) -> None:
+    """Append one line per measured step and one summary line per policy, each stamped with the commit,
+    device and config."""
+    stamp = {"commit": summary["config"]["commit"], "device": summary["config"]["device"],
+             "config": {k: v for k, v in summary["config"].items() if k not in ("commit", "device")}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for name, rec in result["records"].items():
+            for step in rec["steps"]:
+                f.write(json.dumps({**stamp, "kind": "step", "policy": name, **step}) + "\n")
+            f.write(json.dumps({**stamp, "kind": "summary", "policy": name, **summary["policies"][name]}) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options (defaults: the ``make run`` showcase)."""
+    d = E2EConfig()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=d.model, help=f"CPU model: {', '.join(CPU_MODELS)} ({d.model})")
+    p.add_argument("--dataset", default=d.dataset, help=f"length dataset: {', '.join(PRESET_DATASETS)} ({d.dataset})")
+    p.add_argument("--context", type=int, default=d.context, help=f"longest sequence after scaling ({d.context})")
+    p.add_argument("--ranks", type=int, default=d.ranks, help=f"local ranks ({d.ranks})")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"per-rank token cap ({d.max_tokens})")
+    p.add_argument("--global-tokens", type=int, default=d.global_tokens, help=f"tokens per step ({d.global_tokens})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"measured steps per policy ({d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"unmeasured steps per policy ({d.warmup})")
+    p.add_argument("--max-tp", type=int, default=d.max_tp, help=f"largest tensor-parallel degree ({d.max_tp})")
+    p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
+                   help=f"a policy, repeatable (default: {', '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--cost", default=d.cost, help="profile (fit here first), analytic, or a profile JSON file")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed ({d.seed})")
+    p.add_argument("--out", default="results", help="folder of the JSON lines and plots (results)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--smoke", action="store_true", help="CI mode: llama-tiny, 2 steps, analytic cost model")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> E2EConfig:
+    """The run's config; ``--smoke`` replaces the sizes with a seconds-long run."""
+    policies = tuple(args.policies or DEFAULT_POLICIES)
+    if args.smoke:
+        return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, ranks=args.ranks, max_tokens=64,
+                         global_tokens=256, steps=2, warmup=1, max_tp=2, policies=policies, cost="analytic",
+                         seed=args.seed)
+    return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, ranks=args.ranks,
+                     max_tokens=args.max_tokens, global_tokens=args.global_tokens, steps=args.steps,
+                     warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the harness; 0 on success, 2 on bad input, 1 when a rank fails."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        result = run_e2e(cfg, show_progress=True, out=Path(args.out))
+    except PlanError as exc:
+        print(f"benchmarks.e2e: error: {exc}", file=sys.stderr)
+        return 2
+    except RankError as exc:
+        print(f"benchmarks.e2e: a rank failed: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(result)
+    out = Path(args.out)
+    write_json_lines(result, summary, out / "e2e.jsonl")
+    plots = [] if args.no_plots else _plots(result, summary, out)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_table(summary))
+        print(f"JSON lines: {out / 'e2e.jsonl'}")
+        for path in plots:
+            print(f"plot: {path}")
+    return 0
+
+
+def _plots(result: dict, summary: dict, out: Path) -> list[Path]:
+    try:
+        from benchmarks.e2e_plots import plot_all
+    except ImportError as exc:  # matplotlib is an optional dependency
+        print(f"benchmarks.e2e: no plots ({exc})", file=sys.stderr)
+        return []
+    return plot_all(result, summary, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

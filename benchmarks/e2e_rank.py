@@ -1,0 +1,155 @@
+"""What each rank of the compile-and-run harness does: for every policy a ``Trainer`` of the same compiled
+model (same initial weights, same batches) with every variant its strategies can use compiled up front; then
+the steps, the policies interleaved step by step so that background load hits them alike (warm-up steps
+first, not measured). Rank 0 records per step the plan (strategy, per replica its ranks, scheme and
+micro-batches) and the runtime's ``StepStats``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from passes.datasets import LengthDataset
+from passes.ir import CostModel, StepPlan, Strategy
+from passes.variant import TokenBuckets
+
+__all__ = ["RankJob", "rank_main", "predicted_ms"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankJob:
+    """Everything a rank needs (picklable)."""
+
+    model: str
+    """CPU model preset."""
+    seed: int
+    """Weight seed (the same for every policy)."""
+    policies: tuple[str, ...]
+    """Policies, run one after the other."""
+    batches: tuple[tuple[int, ...], ...]
+    """Sequence lengths of every step (warm-up steps first)."""
+    warmup: int
+    """Leading steps that are not measured."""
+    max_tokens: int
+    """Per-rank token cap."""
+    buckets: tuple[int, ...]
+    """Token buckets of micro-batches."""
+    cost_model: CostModel
+    """The planner's cost model."""
+    dataset: LengthDataset
+    """The (scaled) length dataset the hydraulis pool is built from."""
+    lr: float
+    """AdamW learning rate."""
+    show_progress: bool
+    """Progress bar on rank 0."""
+
+
+def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -> list[float]:
+    """Per replica, the cost model's time of its micro-batches as the runtime executes them: each padded
+    up to its token bucket by one extra sequence."""
+    out = []
+    for replica in plan.replicas:
+        total = 0.0
+        for mb in replica.micro_batches:
+            lens = [plan.seq_lens[i] for i in mb]
+            pad = buckets.bucket_for(sum(lens)) - sum(lens)
+            total += cost_model.micro_batch_ms(replica.scheme, lens + ([pad] if pad else []))
+        out.append(total)
+    return out
+
+
+def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
+    vocab = __import__("hcompile.profile", fromlist=["CPU_MODELS"]).CPU_MODELS[job.model].vocab
+    gen = torch.Generator().manual_seed(job.seed + 7)
+    return [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for lens in job.batches]
+
+
+def _precompile(trainer, strategies: Sequence[Strategy], cost_model: CostModel, buckets: TokenBuckets) -> int:
+    """Build, on this rank, the graph of every (scheme, TP rank, bucket) that ``strategies`` can ask of it."""
+    from runtime.topology import place
+
+    rank = trainer.ctx.rank
+    for strategy in strategies:
+        placement = place(strategy, trainer.cluster)
+        trainer.executor.groups.prepare(placement)
+        replica, stage, tp_rank = placement.stage_of(rank)
+        scheme = strategy.replicas()[replica]
+        group = trainer.executor.groups.get(placement.tp_groups(replica)[stage])
+        trainer.provider.stage(scheme, stage, tp_rank, group)
+        limit = buckets.bucket_for(cost_model.max_tokens(scheme))
+        for bucket in (b for b in buckets.sizes if b <= limit):
+            trainer.provider.graph(scheme, tp_rank, None if group is None else group.group_name, bucket)
+    return trainer.provider.recompiles()
+
+
+def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[float]) -> dict:
+    return {
+        "step": step, "loss": stats.loss, "tokens": stats.tokens, "strategy": stats.strategy,
+        "busy_ms": list(stats.busy_ms), "wall_ms": wall_ms, "recompiles": stats.recompiles,
+        "param_bytes_moved": stats.param_bytes_moved, "grad_bytes_moved": stats.grad_bytes_moved,
+        "tokens_per_rank": list(stats.tokens_per_rank), "plan_ms": stats.plan_ms, "plan_hidden": stats.plan_hidden,
+        "est_ms": plan.est_step_ms, "pred_ms": max(pred), "lower_bound_ms": plan.lower_bound_ms,
+        "replicas": [{"scheme": r.scheme.describe(), "ranks": list(r.ranks), "est_ms": r.est_ms, "pred_ms": p,
+                      "micro_batch_tokens": [sum(plan.seq_lens[i] for i in mb) for mb in r.micro_batches]}
+                     for r, p in zip(plan.replicas, pred)],
+    }
+
+
+def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
+    """A Trainer for ``policy`` from the initial weights, with every variant it can use compiled."""
+    from hcompile.models import init_weights_
+    from hcompile.train import Trainer, TrainOptions
+
+    init_weights_(compiled.model, seed=job.seed)
+    buckets = TokenBuckets(sizes=job.buckets)
+    options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr}, max_tokens=job.max_tokens,
+                           policy=policy, buckets=buckets)
+    trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
+    planner = trainer._planner(list(job.batches[0])).planner
+    baseline = policy in ("padding", "fixed-packing", "homogeneous-token")
+    strategies = [planner.fixed] if baseline else list(planner.pool) + [planner.fixed]
+    started = time.perf_counter()
+    builds = _precompile(trainer, strategies, job.cost_model, buckets)
+    return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool],
+            "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
+            "builds_before_steps": builds, "warm_recompiles": builds, "steps": []}
+
+
+def _step(job: RankJob, state: dict, data: list, i: int) -> None:
+    trainer = state["trainer"]
+    t0 = time.perf_counter()
+    stats = trainer.train_step(data[i], next_batch=data[i + 1] if i + 1 < len(data) else None)
+    wall = (time.perf_counter() - t0) * 1e3
+    plan = trainer.last_plan.plan
+    if i == job.warmup - 1:
+        state["warm_recompiles"] = stats.recompiles
+    if i >= job.warmup:
+        state["steps"].append(_step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"])))
+
+
+def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
+    """Run every policy on this rank; rank 0 returns the records (the others None)."""
+    from hcompile.api import CompiledModel
+    from hcompile.profile import build_model, progress_bar
+
+    compiled = CompiledModel(build_model(job.model, job.seed), buckets=TokenBuckets(sizes=job.buckets))
+    data = _token_batches(job)
+
+    def progress(label: str, done: int, total: int) -> None:
+        if rank == 0 and job.show_progress:
+            progress_bar(f"e2e {label} ({len(job.policies)} policies each)", done, total)
+
+    states = {policy: _setup_policy(job, compiled, policy) for policy in job.policies}
+    for i in range(len(data)):  # policies interleaved step by step, so that background load hits them alike
+        for policy, state in states.items():
+            _step(job, state, data, i)
+        progress("steps", i + 1, len(data))
+    if rank != 0:
+        return None
+    return {policy: {"pool": st["pool"], "fixed": st["fixed"], "compile_s": st["compile_s"],
+                     "builds_before_steps": st["builds_before_steps"],
+                     "recompiles_after_warmup": st["steps"][-1]["recompiles"] - st["warm_recompiles"],
+                     "steps": st["steps"]} for policy, st in states.items()}

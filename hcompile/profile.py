@@ -1,0 +1,361 @@
+"""``hcompile profile``: fit the cost model on the machine it runs on.
+
+Owns the profiling job: for each scheme (tp in ``tps``, pp = 1) it runs the real compiled variants (the
+tensor-parallel and packed-attention rewrites of the captured model, on ``tp`` local ranks) forward and
+backward on a sweep of packed micro-batches, each made of one or several sequences of different lengths at
+a token bucket's size (so no padding) so that ``a`` (sum s^2), ``b`` (sum s) and ``c`` separate. It times
+the busiest rank's thread CPU time (one core per rank), fits ``T = a*sum s^2 + b*sum s + c`` by least
+squares on relative error with non-negative coefficients, reports R^2 on the fitted packs and the mean
+absolute percentage error on held-out packs of other lengths, measures the activation bytes each token keeps
+for backward, and writes a profile JSON in the presets' format (``passes.cost_model.Profile.from_dict``)
+whose memory constants make the longest micro-batch of tp = 1 equal the per-rank token cap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hcompile.models import Llama, LlamaConfig, init_weights_
+from passes.cost_model import MIB, Profile, max_tokens_for, state_bytes
+from passes.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from passes.variant import TokenBuckets
+
+__all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
+           "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile",
+           "progress_bar"]
+
+CPU_MODELS: dict[str, LlamaConfig] = {
+    "llama-tiny": LlamaConfig(layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=4, vocab=64),
+    "llama-small": LlamaConfig(layers=4, hidden=128, ffn_hidden=256, heads=4, kv_heads=4, vocab=512),
+}
+"""LLaMA-style models sized for CPU runs: ``llama-small`` runs a step in about a second per core."""
+
+STATE_BYTES_PER_PARAM = 16.0  # fp32 parameter + gradient + two AdamW moments
+SHARDABLE_FRACTION = 0.75
+
+
+def build_model(name: str, seed: int = 0) -> Llama:
+    """A deterministic instance of a CPU model preset."""
+    if name not in CPU_MODELS:
+        raise PlanError(f"unknown model {name!r}; known: {', '.join(CPU_MODELS)}")
+    return init_weights_(Llama(CPU_MODELS[name]), seed=seed)
+
+
+def token_buckets(largest: int) -> TokenBuckets:
+    """Buckets 64 * (1, 2, 3, 4, 6, 8, 12, ...) up to the first >= ``largest``: padding is under a third of a
+    micro-batch while few graphs are captured."""
+    sizes, k = [], 0
+    while not sizes or sizes[-1] < largest:
+        sizes.append(64 * (1 << (k // 2)) * (1 if k % 2 == 0 else 3) // (1 if k % 2 == 0 else 2))
+        k += 1
+    return TokenBuckets(sizes=tuple(sorted(set(sizes))))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileJob:
+    """What to profile."""
+
+    model: str = "llama-small"
+    """A CPU model preset (``CPU_MODELS``)."""
+    tps: tuple[int, ...] = (1, 2, 4)
+    """Tensor-parallel degrees to profile (pp = 1)."""
+    max_tokens: int = 512
+    """Per-rank memory cap in tokens: tp = k runs micro-batches up to k times this."""
+    repeats: int = 3
+    """Timed runs per micro-batch (the median counts), after one untimed run."""
+    gpus: int = 4
+    """Cluster size the profile's memory constants are written for (``hcompile plan --gpus``)."""
+    seed: int = 0
+    """Seed of the held-out lengths and the token ids."""
+    timeout_s: float = 900.0
+    """Hard limit per scheme."""
+
+    def __post_init__(self) -> None:
+        if self.model not in CPU_MODELS:
+            raise PlanError(f"unknown model {self.model!r}; known: {', '.join(CPU_MODELS)}")
+        cfg = CPU_MODELS[self.model]
+        if not self.tps:
+            raise PlanError("at least one tensor-parallel degree is needed")
+        for tp in self.tps:
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or cfg.kv_heads % tp:
+                raise PlanError(f"tp {tp!r} must be a positive divisor of the model's {cfg.kv_heads} kv heads")
+        for name in ("max_tokens", "repeats", "gpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_tokens < 128:
+            raise PlanError(f"max_tokens must be at least 128 (the memory model counts in 128-token steps), "
+                            f"got {self.max_tokens!r}")
+        if self.gpus % max(self.tps):
+            raise PlanError(f"gpus {self.gpus!r} is not a multiple of the largest tp {max(self.tps)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchemeFit:
+    """One scheme's fitted cost and how well it fits."""
+
+    scheme: ParallelScheme
+    """The scheme (pp = 1)."""
+    a: float
+    """ms per squared token of each sequence."""
+    b: float
+    """ms per token."""
+    c: float
+    """ms per micro-batch."""
+    r2: float
+    """R^2 on the fitted packs."""
+    mape: float
+    """Mean absolute percentage error (0.1 = 10%) on the held-out packs."""
+    act_bytes_per_token: float
+    """Bytes of activations kept for backward per token on one rank."""
+    points: tuple[tuple[tuple[int, ...], float, bool], ...]
+    """(sequence lengths, measured ms, held out) per micro-batch."""
+
+    def predict(self, seq_lens: tuple[int, ...]) -> float:
+        return self.a * sum(s * s for s in seq_lens) + self.b * sum(seq_lens) + self.c
+
+
+def sweep_packs(cap: int, buckets: TokenBuckets, seed: int) -> list[tuple[tuple[int, ...], bool]]:
+    """Micro-batches at every bucket up to ``cap``: even splits into 1, 2, 4, 8 sequences (fitted) and two
+    uneven random splits (held out); (lengths, held_out) each."""
+    rng = np.random.default_rng(seed)
+    packs: list[tuple[tuple[int, ...], bool]] = []
+    for total in (b for b in buckets.sizes if b <= cap):
+        for parts in (1, 2, 4, 8):
+            if total // parts >= 16:
+                packs.append((tuple([total // parts] * parts), False))
+        for _ in range(2):
+            k = int(rng.integers(2, 6))
+            cuts = np.sort(rng.choice(np.arange(8, total - 7), size=k - 1, replace=False))
+            lens = np.diff(np.concatenate([[0], cuts, [total]]))
+            if lens.min() >= 1:
+                packs.append((tuple(int(x) for x in lens), True))
+    return packs
+
+
+def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repeats: int,
+                bucket_sizes: tuple[int, ...], show: bool) -> dict:
+    """In each of ``world`` ranks: thread CPU ms of forward+backward of every pack on this rank's TP slice,
+    and the bytes saved for backward at two sizes."""
+    import torch.distributed as dist
+
+    from hcompile.api import CompiledModel
+    from hcompile.train import CompiledProvider
+    from runtime.executor import pack_micro_batch
+    from runtime.loss import packed_causal_lm_loss_sum
+
+    net = build_model(model, seed)
+    buckets = TokenBuckets(sizes=bucket_sizes)
+    provider = CompiledProvider(CompiledModel(net, buckets=buckets), buckets)
+    scheme = ParallelScheme(tp=world)
+    program = provider.stage(scheme, 0, rank, dist.group.WORLD if world > 1 else None)
+    full = dict(net.named_parameters())
+    params = {n: s.take(full[n]).detach().clone().requires_grad_(True) for n, s in program.param_slices.items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    vocab = CPU_MODELS[model].vocab
+
+    def run(lens: tuple[int, ...], hooks: dict | None = None) -> float:
+        batch = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
+        started = time.thread_time()
+        ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), torch.device("cpu"))
+        if hooks is None:
+            loss = packed_causal_lm_loss_sum(program(params, ids, cu, max_len), ids, cu)
+        else:
+            def keep(t: torch.Tensor) -> torch.Tensor:
+                hooks[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                loss = packed_causal_lm_loss_sum(program(params, ids, cu, max_len), ids, cu)
+        loss.backward()
+        for p in params.values():
+            p.grad = None
+        return (time.thread_time() - started) * 1e3
+
+    times = []
+    for i, (lens, _) in enumerate(packs):
+        run(lens)  # first run: builds the bucket's graph
+        times.append([run(lens) for _ in range(repeats)])
+        if show and rank == 0:
+            progress_bar(f"profile tp{world}", i + 1, len(packs))
+    saved = []
+    for total in (bucket_sizes[0], max(sum(lens) for lens, _ in packs)):
+        hooks: dict = {}
+        run((total,), hooks)
+        saved.append((total, sum(hooks.values())))
+    return {"times": times, "saved": saved}
+
+
+def progress_bar(label: str, done: int, total: int, width: int = 30) -> None:
+    """A one-line progress bar on stderr."""
+    filled = int(width * done / max(1, total))
+    end = "\n" if done >= total else ""
+    print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
+          flush=True)
+
+
+def fit_nonnegative(features: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least squares with every coefficient >= 0: the best of the unconstrained fits on every
+    subset of the columns whose coefficients are all non-negative (exact for a few columns)."""
+    n = features.shape[1]
+    best, best_err = np.zeros(n), float(np.sum((weights * y) ** 2))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = features[:, cols] * weights[:, None]
+            coef, *_ = np.linalg.lstsq(sub, weights * y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(n)
+            full[list(cols)] = coef
+            err = float(np.sum((weights * (features @ full - y)) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = full, err
+    return best
+
+
+def _fit_scheme(tp: int, packs: list, ms: list[float], act_bytes: float) -> SchemeFit:
+    feats = np.array([[sum(s * s for s in lens), sum(lens), 1.0] for lens, _ in packs], dtype=np.float64)
+    y = np.asarray(ms, dtype=np.float64)
+    held = np.array([h for _, h in packs], dtype=bool)
+    a, b, c = fit_nonnegative(feats[~held], y[~held], 1.0 / y[~held])
+    pred = feats @ np.array([a, b, c])
+    fitted = y[~held]
+    ss_tot = float(np.sum((fitted - fitted.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((pred[~held] - fitted) ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    mape = float(np.mean(np.abs(pred[held] - y[held]) / y[held])) if held.any() else float("nan")
+    points = tuple((tuple(lens), float(t), bool(h)) for (lens, h), t in zip(packs, ms))
+    return SchemeFit(scheme=ParallelScheme(tp=tp), a=float(a), b=float(b), c=float(c), r2=r2, mape=mape,
+                     act_bytes_per_token=act_bytes, points=points)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileReport:
+    """The outcome of a profiling job."""
+
+    job: ProfileJob
+    """The job that ran."""
+    fits: tuple[SchemeFit, ...]
+    """Per scheme."""
+    params_per_layer: int
+    """Parameters of one transformer block."""
+    wall_s: float
+    """Wall time of the whole sweep."""
+    device: str = field(default_factory=lambda: f"cpu ({platform.processor() or platform.machine()}), "
+                                                f"torch {torch.__version__}, 1 thread per rank")
+    """What was measured."""
+
+    def profile(self) -> Profile:
+        """The preset-format profile this report writes (``to_json``), parsed back."""
+        return Profile.from_dict(self.to_json(), name=f"{self.job.model}@cpu")
+
+    def _memory(self) -> tuple[dict, float]:
+        cfg = CPU_MODELS[self.job.model]
+        act = {str(f.scheme.tp): f.act_bytes_per_token / (cfg.layers * cfg.hidden / f.scheme.tp) for f in self.fits}
+        memory = {"safety_margin_gib": 0.0, "activation_bytes_per_token_hidden_layer": act,
+                  "state_bytes_per_hidden2_layer": STATE_BYTES_PER_PARAM * self.params_per_layer / cfg.hidden ** 2}
+        smallest = min(self.fits, key=lambda f: f.scheme.tp)
+        draft = self._dict(memory, bound_mib=0.0)
+        probe = Profile.from_dict(draft)
+        layout = Strategy.homogeneous(smallest.scheme, self.job.gpus)
+        tokens = self.job.max_tokens * smallest.scheme.tp + 0.5
+        bound = state_bytes(probe, smallest.scheme, layout) + tokens * smallest.act_bytes_per_token
+        return memory, bound / MIB
+
+    def _dict(self, memory: dict, bound_mib: float) -> dict:
+        cfg = CPU_MODELS[self.job.model]
+        return {
+            "hardware": {"name": "cpu", "gpu": self.device, "gpus_per_node": self.job.gpus,
+                         "memory_bound_mib": bound_mib, "reserved_mib_per_gpu": 0.0},
+            "optimizer_shardable_fraction": SHARDABLE_FRACTION,
+            "source": f"hcompile profile on this machine: thread CPU time of forward+backward of packed "
+                      f"micro-batches, busiest of tp ranks, median of {self.job.repeats}; memory bound set so "
+                      f"that tp=1 holds {self.job.max_tokens} tokens per rank",
+            "model": {"name": self.job.model, "layers": cfg.layers, "hidden": cfg.hidden,
+                      "ffn_hidden": cfg.ffn_hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab},
+            "memory": memory,
+            "schemes": [{"tp": f.scheme.tp, "pp": 1, "a": f.a, "b": f.b, "c": f.c, "r2": round(f.r2, 5),
+                         "mape_held_out": round(f.mape, 5)} for f in self.fits],
+        }
+
+    def to_json(self) -> dict:
+        """The profile JSON (the presets' format plus fit quality and the measurements)."""
+        memory, bound = self._memory()
+        data = self._dict(memory, bound_mib=bound)
+        layout = self.layout()
+        probe = Profile.from_dict(data)
+        for entry, f in zip(data["schemes"], self.fits):
+            entry["max_tokens"] = max_tokens_for(probe, f.scheme, layout)
+        data["max_tokens_per_rank"] = self.job.max_tokens
+        data["measurements"] = [{"tp": f.scheme.tp, "seq_lens": list(lens), "ms": round(ms, 3), "held_out": h}
+                                for f in self.fits for lens, ms, h in f.points]
+        data["wall_s"] = round(self.wall_s, 1)
+        return data
+
+    def layout(self) -> Strategy:
+        """The optimiser layout the reported longest micro-batches assume: all ranks at the smallest tp."""
+        return Strategy.homogeneous(min((f.scheme for f in self.fits), key=lambda s: s.tp), self.job.gpus)
+
+
+def _params_per_layer(model: str) -> int:
+    net = build_model(model)
+    return sum(p.numel() for n, p in net.named_parameters() if n.startswith("layers.0."))
+
+
+def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
+    """Profile every scheme of ``job`` on local ranks and fit its cost."""
+    from hcompile.spawn import run_local_ranks
+
+    started = time.perf_counter()
+    fits = []
+    for tp in job.tps:
+        cap = job.max_tokens * tp
+        buckets = token_buckets(cap)
+        packs = sweep_packs(cap, buckets, job.seed + tp)
+        results = run_local_ranks(tp, _time_packs, job.model, job.seed, packs, job.repeats, buckets.sizes,
+                                  show_progress, timeout_s=job.timeout_s)
+        ms = [statistics.median(max(r["times"][i][k] for r in results) for k in range(job.repeats))
+              for i in range(len(packs))]
+        (t0, b0), (t1, b1) = results[0]["saved"]
+        act = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
+        fits.append(_fit_scheme(tp, packs, ms, act))
+    return ProfileReport(job=job, fits=tuple(fits), params_per_layer=_params_per_layer(job.model),
+                         wall_s=time.perf_counter() - started)
+
+
+def cost_model_from_profile(profile: Profile, max_tokens: int, schemes: list[ParallelScheme] | None = None,
+                            gpus_per_node: int | None = None) -> CostModel:
+    """The profiled coefficients with a per-rank token cap: scheme tp holds ``max_tokens * tp`` tokens."""
+    entries = tuple(SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens * s.tp)
+                    for s, a, b, c in profile.coefficients if schemes is None or s in schemes)
+    if not entries:
+        raise PlanError(f"profile {profile.name!r} has none of the schemes {schemes}")
+    return CostModel(name=f"{profile.name} cap {max_tokens}/rank", entries=entries,
+                     gpus_per_node=gpus_per_node or profile.gpus_per_node)
+
+
+def format_profile(report: ProfileReport, out: str | None = None) -> str:
+    """The table ``hcompile profile`` prints."""
+    data = report.to_json()
+    lines = [f"profile of {report.job.model} on {report.device} ({report.wall_s:.0f} s)",
+             f"{'scheme':<10} {'a (ms/tok^2)':>13} {'b (ms/tok)':>11} {'c (ms)':>8} {'R^2':>7} "
+             f"{'MAPE held-out':>13} {'act B/token':>11} {'max tokens':>10}"]
+    for f, entry in zip(report.fits, data["schemes"]):
+        lines.append(f"{f.scheme.describe():<10} {f.a:>13.3e} {f.b:>11.4f} {f.c:>8.2f} {f.r2:>7.4f} "
+                     f"{100 * f.mape:>12.1f}% {f.act_bytes_per_token:>11.0f} {entry['max_tokens']:>10}")
+    lines.append(f"memory budget {data['hardware']['memory_bound_mib']:.1f} MiB per rank "
+                 f"(tp=1 holds {report.job.max_tokens} tokens; longest micro-batches under the optimiser layout "
+                 f"{report.layout().describe()})")
+    if out:
+        lines.append(f"wrote {out}")
+    return "\n".join(lines)

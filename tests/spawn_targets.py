@@ -1,0 +1,22 @@
+"""Module-level rank functions for tests/test_spawn.py (spawned ranks import them by name)."""
+
+import time
+
+
+def rank_and_world(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, world, float(t), torch.get_num_threads()
+
+
+def fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(60)  # the job must end early because rank 1 died, not wait for this
+
+
+def hang(rank, world):
+    time.sleep(60)

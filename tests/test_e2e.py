@@ -1,0 +1,58 @@
+"""benchmarks.e2e: the --smoke run (2 steps of a tiny model on local gloo ranks) prints a JSON object with
+every field per policy, writes stamped JSON lines; bad input exits 2 with a clear message."""
+
+import json
+
+import pytest
+
+from benchmarks.e2e import FIELDS, E2EConfig, main, scale_dataset
+from passes.datasets import load_dataset
+from passes.ir import PlanError
+
+
+def test_scale_dataset_keeps_counts_and_hits_the_context():
+    data = load_dataset("python-code")
+    scaled = scale_dataset(data, 1024)
+    assert scaled.max_len == 1024 and scaled.num_seqs == data.num_seqs and min(scaled.lengths) >= 1
+
+
+def test_smoke_json_has_every_field(tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["--smoke", "--ranks", "2", "--json", "--no-plots", "--out", str(out),
+                 "--policy", "hydraulis", "--policy", "homogeneous-token"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["config"]["steps"] == 2 and summary["config"]["model"] == "llama-tiny"
+    assert set(summary["policies"]) == {"hydraulis", "homogeneous-token"}
+    for name, metrics in summary["policies"].items():
+        assert set(FIELDS) <= set(metrics), name
+        assert metrics["tokens_per_s"] > 0 and metrics["step_ms_one_core_per_rank"] > 0
+        assert metrics["balance"] >= 1.0 and metrics["pred_over_measured"] > 0
+        assert len(metrics["pred_over_measured_per_step"]) == 2
+        assert metrics["recompiles_after_warmup"] == 0
+        assert metrics["param_bytes_moved"] > 0 and metrics["grad_bytes_moved"] > 0
+    lines = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
+    assert {line["kind"] for line in lines} == {"step", "summary"}
+    assert all({"commit", "device", "config"} <= set(line) for line in lines)
+    steps = [line for line in lines if line["kind"] == "step"]
+    # the same batches for every policy
+    tokens = {p: [s["tokens"] for s in steps if s["policy"] == p] for p in summary["policies"]}
+    assert tokens["hydraulis"] == tokens["homogeneous-token"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "gpt-huge"], "gpt-huge"),
+    (["--dataset", "wikipedia"], "wikipedia"),
+    (["--max-tokens", "64", "--context", "1048576", "--cost", "analytic"], "shortest sequence"),
+    (["--max-tokens", "64", "--context", "4096", "--max-tp", "4", "--cost", "analytic"], "longest sequence"),
+    (["--ranks", "100000"], "more than this machine can start"),
+    (["--policy", "magic"], "magic"),
+])
+def test_bad_input_exits_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_config_validation_quotes_the_value():
+    with pytest.raises(PlanError, match="-3"):
+        E2EConfig(steps=-3)

@@ -1,0 +1,68 @@
+"""hcompile profile: the non-negative fit, the sweep, job validation, and the CLI's smoke run writing a
+profile that ``hcompile plan --profile`` accepts."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hcompile.cli import main
+from hcompile.profile import ProfileJob, fit_nonnegative, sweep_packs, token_buckets
+from passes.cost_model import load_profile_file
+from passes.ir import PlanError
+
+
+def test_fit_recovers_coefficients_and_stays_nonnegative():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.uniform(0, 1e6, 40), rng.uniform(0, 2e3, 40), np.ones(40)])
+    y = x @ np.array([2e-5, 0.3, 4.0])
+    got = fit_nonnegative(x, y, 1.0 / y)
+    np.testing.assert_allclose(got, [2e-5, 0.3, 4.0], rtol=1e-6)
+    # data that an unconstrained fit would explain with a negative intercept
+    y2 = x[:, 1] * 0.5 - 3.0 + 1e-9 * x[:, 0]
+    y2 = np.maximum(y2, 1.0)
+    got2 = fit_nonnegative(x, y2, np.ones_like(y2))
+    assert np.all(got2 >= 0)
+
+
+def test_sweep_packs_fill_buckets_and_hold_out_other_lengths():
+    buckets = token_buckets(512)
+    assert buckets.sizes[0] == 64 and buckets.sizes[-1] >= 512
+    packs = sweep_packs(512, buckets, seed=1)
+    assert {sum(lens) for lens, _ in packs} <= set(buckets.sizes)
+    fitted = {s for lens, held in packs if not held for s in lens}
+    held = [lens for lens, h in packs if h]
+    assert held and all(len(lens) >= 2 for lens in held)
+    assert any(s not in fitted for lens in held for s in lens)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"model": "gpt-9"}, "gpt-9"), ({"tps": (3,)}, "3"), ({"max_tokens": 100}, "100"), ({"gpus": 6, "tps": (4,)}, "6"),
+])
+def test_bad_jobs_quote_the_value(kwargs, needle):
+    with pytest.raises(PlanError, match=needle):
+        ProfileJob(**kwargs)
+
+
+def test_cli_bad_model_exits_2(capsys):
+    assert main(["profile", "--model", "nope", "--out", "/dev/null"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_smoke_profile_is_accepted_by_plan(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert main(["profile", "--smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [s["tp"] for s in data["schemes"]] == [1, 2]
+    for s in data["schemes"]:
+        assert min(s["a"], s["b"], s["c"]) >= 0 and "r2" in s and "mape_held_out" in s
+    assert any(m["held_out"] for m in data["measurements"])
+    profile = load_profile_file(out)
+    assert profile.layers == 2 and profile.hidden == 32
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [60, 12, 40, 128, 7, 33]) + "\n")
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(out), "--gpus", "4", "--lengths", str(lengths),
+                 "--global-tokens", "200", "--steps", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["policies"]) >= {"hydraulis", "homogeneous-token"}
