@@ -68,20 +68,8 @@ def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
 
 
 def _precompile(trainer, strategies: Sequence[Strategy], cost_model: CostModel, buckets: TokenBuckets) -> int:
-    """Build, on this rank, the graph of every (scheme, TP rank, bucket) that ``strategies`` can ask of it."""
-    from runtime.topology import place
-
-    rank = trainer.ctx.rank
-    for strategy in strategies:
-        placement = place(strategy, trainer.cluster)
-        trainer.executor.groups.prepare(placement)
-        replica, stage, tp_rank = placement.stage_of(rank)
-        scheme = strategy.replicas()[replica]
-        group = trainer.executor.groups.get(placement.tp_groups(replica)[stage])
-        trainer.provider.stage(scheme, stage, tp_rank, group)
-        limit = buckets.bucket_for(cost_model.max_tokens(scheme))
-        for bucket in (b for b in buckets.sizes if b <= limit):
-            trainer.provider.graph(scheme, tp_rank, None if group is None else group.group_name, bucket)
+    """Compile, on this rank, every variant that ``strategies`` can ask of it (the trainer's warm-up)."""
+    trainer.warm_up(strategies)
     return trainer.provider.recompiles()
 
 

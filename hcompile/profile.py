@@ -160,8 +160,7 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     provider = CompiledProvider(CompiledModel(net, buckets=buckets), buckets)
     scheme = ParallelScheme(tp=world)
     program = provider.stage(scheme, 0, rank, dist.group.WORLD if world > 1 else None)
-    full = dict(net.named_parameters())
-    params = {n: s.take(full[n]).detach().clone().requires_grad_(True) for n, s in program.param_slices.items()}
+    program.load({n: p.detach() for n, p in net.named_parameters()})
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = CPU_MODELS[model].vocab
 
@@ -170,17 +169,16 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
         started = time.thread_time()
         ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), torch.device("cpu"))
         if hooks is None:
-            loss = packed_causal_lm_loss_sum(program(params, ids, cu, max_len), ids, cu)
+            loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
         else:
             def keep(t: torch.Tensor) -> torch.Tensor:
                 hooks[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                loss = packed_causal_lm_loss_sum(program(params, ids, cu, max_len), ids, cu)
+                loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
         loss.backward()
-        for p in params.values():
-            p.grad = None
+        program.zero_grad()
         return (time.thread_time() - started) * 1e3
 
     times = []

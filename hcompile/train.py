@@ -104,6 +104,12 @@ class _VariantStage:
             return (variant.logits(outs, total),)
         return tuple(outs)
 
+    def zero_grad(self) -> None:
+        """Clear the gradients accumulated in the variants used since ``load``."""
+        for v in self._used.values():
+            for p in v.graph_module.parameters():
+                p.grad = None
+
     def grads(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, sl in self.param_slices.items():
@@ -196,6 +202,7 @@ class Trainer:
         capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
         self.cost_model = cap_tokens(model, {e.scheme: capturable for e in model.entries})
         self._service: PlanService | None = None
+        self._warm: set[Strategy] = set()
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
 
@@ -219,6 +226,9 @@ class Trainer:
         with one micro-batch of that bucket on every replica that can hold it (collective)."""
         sizes = self.provider.buckets.sizes
         for strategy in strategies:
+            if strategy in self._warm:
+                continue
+            self._warm.add(strategy)
             replicas = strategy.replicas()
             top = [self.provider.buckets.bucket_for(self.cost_model.max_tokens(s)) for s in replicas]
             for bucket in (b for b in sizes if b <= max(top)):
