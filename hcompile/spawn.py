@@ -14,16 +14,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from runtime.launch import max_local_ranks
+
 __all__ = ["RankError", "max_local_ranks", "run_local_ranks"]
 
 
 class RankError(RuntimeError):
     """A rank of a local job failed or the job ran past its timeout."""
-
-
-def max_local_ranks() -> int:
-    """The most ranks this machine starts (the same limit as ``hcompile launch``)."""
-    return max(64, 8 * (os.cpu_count() or 1))
 
 
 def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s: float, backend: str) -> None:

@@ -7,18 +7,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["launch", "LaunchError"]
+__all__ = ["launch", "LaunchError", "max_local_ranks"]
 
 
 class LaunchError(ValueError):
     """Bad launch arguments."""
 
 
+def max_local_ranks() -> int:
+    """The most ranks one machine is asked to start: 8 per core, at least 64."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
 def launch(nproc: int, script: str, script_args: list[str], max_nproc: int | None = None) -> int:
     """Run ``script`` on ``nproc`` local ranks; returns 0 when every rank succeeded, 1 otherwise."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise LaunchError(f"--nproc must be a positive integer, got {nproc!r}")
-    limit = max_nproc if max_nproc is not None else max(64, 8 * (os.cpu_count() or 1))
+    limit = max_nproc if max_nproc is not None else max_local_ranks()
     if nproc > limit:
         raise LaunchError(f"--nproc {nproc} is more ranks than this machine can start (at most {limit})")
     if not Path(script).is_file():
