@@ -132,7 +132,7 @@ def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
 
     states = {policy: _setup_policy(job, compiled, policy) for policy in job.policies}
     for i in range(len(data)):  # policies interleaved step by step, so that background load hits them alike
-        for policy, state in states.items():
+        for state in states.values():
             _step(job, state, data, i)
         progress("steps", i + 1, len(data))
     if rank != 0:

@@ -14,14 +14,11 @@ whose memory constants make the longest micro-batch of tp = 1 equal the per-rank
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hcompile.api import CompiledModel
 from passes.analyze import Hardware, analytic_cost_model, analyze_graph
 from passes.datasets import LengthDataset
-from passes.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
+from passes.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
 from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
 from passes.tensor_parallel import ParamSlice
@@ -80,6 +80,7 @@ class _VariantStage:
         self.provider, self.scheme, self.stage, self.tp_rank, self.group = provider, scheme, stage, tp_rank, group_name
         first = provider.variant(scheme, stage, provider.buckets.sizes[0], tp_rank, group_name)
         self.param_slices: dict[str, ParamSlice] = {sl.name: sl for sl in first.params}
+        self._first = first
         self._full: Mapping[str, torch.Tensor] | None = None
         self._used: dict[int, Variant] = {}
 
@@ -112,8 +113,8 @@ class _VariantStage:
 
     def grads(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for name, sl in self.param_slices.items():
-            total = torch.zeros(sl.local_shape)
+        for name in self.param_slices:
+            total = torch.zeros_like(self._first.graph_module.get_parameter(name))  # same shape and device
             for v in self._used.values():
                 grad = v.graph_module.get_parameter(name).grad
                 if grad is not None:

@@ -70,7 +70,7 @@ def test_overlapped_planning_adamw_and_resume(tmp_path):
         opt.step()
         opt.zero_grad()
         expected.append(float(loss.detach()))
-    for losses, hidden, resumed_losses, uninterrupted, resumed, _ in results:
+    for losses, _, resumed_losses, uninterrupted, resumed, _ in results:
         assert losses == pytest.approx(expected, rel=1e-4)
         assert resumed_losses == pytest.approx(losses[2:], rel=1e-6)
         for name, p in params.items():

@@ -38,7 +38,7 @@ def _train(rank, world, name, lr):
                                strategies=STRATEGIES, max_tokens=64)
     out = []
     data = batches(cfg.vocab)
-    for i, (strategy, batch) in enumerate(zip(STRATEGIES, data)):
+    for strategy, batch in zip(STRATEGIES, data):
         stats = trainer.train_step(batch, strategy=strategy)
         out.append((stats.loss, stats.strategy, stats.recompiles, trainer.full_state_dict()))
     adam = hcompile.compile(make(name)[0], loss="causal_lm", optimizer=torch.optim.AdamW,
