@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
 
-__all__ = ["assign_ranks", "group_aligns", "placeable", "tp_group_fits", "usable_schemes"]
+__all__ = ["assign_ranks", "group_aligns", "placeable", "too_long_error", "tp_group_fits", "usable_schemes"]
 
 
 def tp_group_fits(first_rank: int, group_size: int, gpus_per_node: int) -> bool:
@@ -62,3 +62,10 @@ def placeable(strategy: Strategy, gpus_per_node: int) -> bool:
                 return False
         start += count * scheme.gpus
     return True
+
+
+def too_long_error(cost_model: CostModel, gpus: int, seq_len: int) -> PlanError:
+    """The error for a sequence no usable scheme holds, naming its length and the longest supported."""
+    supported = max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)), default=0)
+    return PlanError(f"a sequence of {seq_len} tokens is longer than every scheme can hold on {gpus} GPUs "
+                     f"(longest supported: {supported} tokens)")

@@ -22,7 +22,7 @@ import numpy as np
 from passes.datasets import check_batch
 from passes.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan_assign import Kind, dispatch, first_fit
-from passes.plan_placement import assign_ranks, usable_schemes
+from passes.plan_placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan_pool import fluid_estimate
 
 __all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
@@ -70,14 +70,8 @@ def lower_bound_ms(cost_model: CostModel, gpus: int, seq_lens: list[int], scheme
     lens = np.asarray(seq_lens, dtype=np.int64)
     area, latency = _bound_terms(cost_model, schemes, lens)
     if not np.isfinite(area).all():
-        raise _too_long(cost_model, gpus, int(lens[~np.isfinite(area)].max()))
+        raise too_long_error(cost_model, gpus, int(lens[~np.isfinite(area)].max()))
     return float(max(area.sum() / gpus, latency.max()))
-
-
-def _too_long(cost_model: CostModel, gpus: int, seq_len: int) -> PlanError:
-    supported = max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)), default=0)
-    return PlanError(f"a sequence of {seq_len} tokens is longer than every scheme can hold on {gpus} GPUs "
-                     f"(longest supported: {supported} tokens)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,7 +132,7 @@ class Planner:
         if not usable:  # the pool was built for shorter data: fall back to every homogeneous strategy
             usable = [s for s in self.homogeneous if self._holds(s, longest)]
         if not usable:
-            raise _too_long(self.cost_model, self.gpus, longest)
+            raise too_long_error(self.cost_model, self.gpus, longest)
         ranked = sorted(((fluid_estimate(self.cost_model, s, seq_lens), s.describe(), s) for s in usable),
                         key=lambda x: x[:2])
         best = None

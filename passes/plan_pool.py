@@ -18,7 +18,7 @@ import numpy as np
 from passes.datasets import LengthDataset
 from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan_assign import Kind
-from passes.plan_placement import placeable, usable_schemes
+from passes.plan_placement import placeable, too_long_error, usable_schemes
 
 __all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate"]
 
@@ -30,8 +30,7 @@ def tier_caps(cost_model: CostModel, gpus: int, longest: int) -> list[int]:
     caps = sorted({cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)})
     covering = [c for c in caps if c >= longest]
     if not covering:
-        raise PlanError(f"a sequence of {longest} tokens is longer than every scheme can hold on {gpus} GPUs "
-                        f"(longest supported: {caps[-1] if caps else 0} tokens)")
+        raise too_long_error(cost_model, gpus, longest)
     return [c for c in caps if c <= covering[0]]
 
 
