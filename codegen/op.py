@@ -4,8 +4,8 @@ Two ``torch.library`` custom ops, forward and backward, each with a fake impleme
 ``torch.compile(fullgraph=True)`` captures them without a graph break; the forward's autograd formula calls the
 backward op.  ``max_seqlen`` is a ``SymInt`` in both schemas, so with dynamic shapes it is a symbol like the
 token and sequence counts and new lengths do not recompile.  The real implementations validate the values of
-``cu_seqlens`` (a ValueError, before any kernel runs) and dispatch to the Triton kernels or to the plain-torch
-reference, as the already resolved ``backend`` string says.
+``cu_seqlens`` (a ValueError, before any kernel runs) and dispatch to the Triton kernels, to PyTorch's fused
+CPU flash kernel or to the plain-torch reference, as the already resolved ``backend`` string says.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from codegen.reference import reference_backward, reference_forward
 from codegen.triton_launch import triton_backward, triton_forward
 from codegen.validation import check_backend, check_layout, check_offsets
@@ -34,11 +35,13 @@ def packed_attention_op(
     softmax_scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed attention forward on one backend ("triton" or "reference"); returns (out, lse)."""
+    """Packed attention forward on one backend ("triton", "cpu-flash" or "reference"); returns (out, lse)."""
     check_layout(q, k, v, cu_seqlens, max_seqlen, backend)
     offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
     if backend == "triton":
         return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale)
+    if backend == "cpu-flash":
+        return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
     return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
 
 
@@ -72,6 +75,8 @@ def packed_attention_backward_op(
     if backend == "triton":
         return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, **kwargs)
     offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
+    if backend == "cpu-flash":
+        return cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
     return reference_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
 
 
@@ -112,10 +117,11 @@ def bucket_max_seqlen(max_seqlen: int, *, minimum: int = 16) -> int:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` is Triton on a CUDA device and the reference elsewhere; other names pass through."""
+    """``"auto"`` is Triton on a CUDA device, the fused CPU flash kernel on the CPU and the reference elsewhere;
+    other names pass through."""
     if backend != "auto":
         return backend
-    return "triton" if device.type == "cuda" else "reference"
+    return {"cuda": "triton", "cpu": "cpu-flash"}.get(device.type, "reference")
 
 
 def packed_attention(
@@ -134,7 +140,8 @@ def packed_attention(
     q: (total_tokens, heads_q, head_dim); k, v: (total_tokens, heads_kv, head_dim) with heads_q % heads_kv == 0
     (GQA, MQA); cu_seqlens: int32 (num_seqs + 1) offsets from 0 to total_tokens, non-decreasing; max_seqlen:
     an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``backend``:
-    "triton", "reference" or "auto" (Triton on a GPU, the reference elsewhere).  Returns a tensor like q.
+    "triton", "cpu-flash" (PyTorch's fused CPU kernel), "reference" (plain torch, the oracle) or "auto" (Triton on
+    a GPU, cpu-flash on the CPU, the reference elsewhere).  Returns a tensor like q.
     Contract violations raise ValueError before any kernel runs.  Under torch.compile, compile with dynamic
     shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
     lengths and sequence counts reuse the compiled graph.

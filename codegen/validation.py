@@ -11,10 +11,10 @@ import torch
 
 from codegen.spec import MAX_REFERENCE_HEAD_DIM, SUPPORTED_DTYPES, TRITON_HEAD_DIMS
 
-BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
+BACKENDS: tuple[str, ...] = ("auto", "triton", "cpu-flash", "reference")
 """Accepted values of ``backend`` in ``packed_attention``."""
 
-RESOLVED_BACKENDS: tuple[str, ...] = ("triton", "reference")
+RESOLVED_BACKENDS: tuple[str, ...] = ("triton", "cpu-flash", "reference")
 """Backends the custom op itself runs ("auto" is resolved by ``packed_attention`` before the op is called)."""
 
 
@@ -44,6 +44,8 @@ def check_layout(
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device == cu_seqlens.device):
         raise ValueError(f"devices differ: q {q.device}, k {k.device}, v {v.device}, cu_seqlens {cu_seqlens.device}")
+    if backend == "cpu-flash" and q.device.type != "cpu":
+        raise ValueError(f"backend='cpu-flash' runs on the CPU only; the tensors are on {q.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
@@ -68,7 +70,7 @@ def _check_heads(heads_q: int, heads_kv: int) -> None:
 
 
 def _check_head_dim(head_dim: int, backend: str) -> None:
-    if backend == "reference":
+    if backend in ("reference", "cpu-flash"):
         if not 1 <= head_dim <= MAX_REFERENCE_HEAD_DIM:
             raise ValueError(f"head_dim={head_dim} is outside 1..{MAX_REFERENCE_HEAD_DIM}")
     elif head_dim not in TRITON_HEAD_DIMS:

@@ -23,17 +23,18 @@ def _op_args(batch, backend: str, causal: bool = True) -> tuple:
     return (*batch.inputs(), causal, batch.q.shape[2] ** -0.5, backend)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu-flash", "triton"])
 def test_opcheck_forward(backend):
     batch = make_batch([3, 0, 18], heads_q=4, heads_kv=2, head_dim=16)
     torch.library.opcheck(codegen.packed_attention_op, _op_args(batch, backend))
 
 
-def test_opcheck_backward_op():
+@pytest.mark.parametrize("backend", ["reference", "cpu-flash"])
+def test_opcheck_backward_op(backend):
     batch = make_batch([5, 9], heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = (x.detach() for x in (batch.q, batch.k, batch.v))
-    out, lse = codegen.packed_attention_op(q, k, v, batch.cu_seqlens, 9, True, 0.25, "reference")
-    args = (torch.randn_like(out), q, k, v, out, lse, batch.cu_seqlens, 9, True, 0.25, "reference")
+    out, lse = codegen.packed_attention_op(q, k, v, batch.cu_seqlens, 9, True, 0.25, backend)
+    args = (torch.randn_like(out), q, k, v, out, lse, batch.cu_seqlens, 9, True, 0.25, backend)
     torch.library.opcheck(codegen.packed_attention_backward_op, args)
 
 
@@ -113,12 +114,14 @@ def test_triton_backend_under_torch_compile():
     assert relative_error(batch.k.grad, reference.k.grad) < 1e-4
 
 
-def test_auto_backend_is_reference_on_cpu_and_triton_on_cuda():
-    assert codegen.resolve_backend("auto", torch.device("cpu")) == "reference"
+def test_auto_backend_is_cpu_flash_on_cpu_and_triton_on_cuda():
+    assert codegen.resolve_backend("auto", torch.device("cpu")) == "cpu-flash"
     assert codegen.resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert codegen.resolve_backend("auto", torch.device("meta")) == "reference"
     assert codegen.resolve_backend("triton", torch.device("cpu")) == "triton"
-    batch = make_batch([4, 3], heads_q=2, heads_kv=2, head_dim=8)  # head_dim 8: reference-only, so auto chose it
+    batch = make_batch([4, 3], heads_q=2, heads_kv=2, head_dim=8)  # head_dim 8: no Triton kernel, so auto chose cpu
     out = codegen.packed_attention(*batch.inputs())
+    torch.testing.assert_close(out, codegen.packed_attention(*batch.inputs(), backend="cpu-flash"))
     torch.testing.assert_close(out, codegen.packed_attention(*batch.inputs(), backend="reference"))
 
 
@@ -152,8 +155,8 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize(
     ("case", "backend"),
-    [(case, backend) for case in sorted(BAD_INPUTS) for backend in ("triton", "reference")
-     if (case, backend) != ("head-dim", "reference")],  # the reference accepts any head dim up to 256
+    [(case, backend) for case in sorted(BAD_INPUTS) for backend in ("triton", "reference", "cpu-flash")
+     if (case, backend) not in {("head-dim", "reference"), ("head-dim", "cpu-flash")}],  # any head dim up to 256
 )
 def test_contract_violations_raise_value_error_naming_the_value(case, backend, monkeypatch):
     args, message = BAD_INPUTS[case]

@@ -1,4 +1,5 @@
-"""The plain-torch reference (codegen.reference, through the custom op) against naive dense masked attention."""
+"""The CPU backends through the custom op (the plain-torch reference and the fused ``cpu-flash`` kernel) against
+naive dense masked attention, and against each other."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from hypothesis import strategies as st
 import codegen
 
 LAYOUTS = [(2, 2), (4, 2), (4, 1)]  # (heads_q, heads_kv): MHA, GQA, MQA
+CPU_BACKENDS = ["reference", "cpu-flash"]
 
 
-def _check_against_dense(lengths: list[int], heads_q: int, heads_kv: int, causal: bool, seed: int = 0) -> None:
+def _check_against_dense(lengths: list[int], heads_q: int, heads_kv: int, causal: bool, seed: int = 0,
+                         backend: str = "reference") -> None:
     batch = make_batch(lengths, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, seed=seed)
     scale = 1 / math.sqrt(8)
-    out = codegen.packed_attention(*batch.inputs(), causal=causal, backend="reference")
+    out = codegen.packed_attention(*batch.inputs(), causal=causal, backend=backend)
     expected = dense_masked_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, causal=causal, scale=scale)
     assert relative_error(out, expected) < 1e-5
     grad_out = torch.randn_like(out)
@@ -28,11 +31,12 @@ def _check_against_dense(lengths: list[int], heads_q: int, heads_kv: int, causal
         assert relative_error(g, w) < 1e-5, f"grad {name}"
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", LAYOUTS)
 @pytest.mark.parametrize("lengths", [[1], [13], [3, 0, 7, 1, 5], [1, 1, 1, 1], [0, 6, 0]])
-def test_reference_matches_dense_masked_attention(lengths, heads, causal):
-    _check_against_dense(lengths, *heads, causal)
+def test_cpu_backends_match_dense_masked_attention(lengths, heads, causal, backend):
+    _check_against_dense(lengths, *heads, causal, backend=backend)
 
 
 @settings(max_examples=25, deadline=None)
@@ -41,9 +45,33 @@ def test_reference_matches_dense_masked_attention(lengths, heads, causal):
     heads=st.sampled_from(LAYOUTS),
     causal=st.booleans(),
     seed=st.integers(0, 2**16),
+    backend=st.sampled_from(CPU_BACKENDS),
 )
-def test_reference_matches_dense_on_random_ragged_batches(lengths, heads, causal, seed):
-    _check_against_dense(lengths, *heads, causal, seed=seed)
+def test_cpu_backends_match_dense_on_random_ragged_batches(lengths, heads, causal, seed, backend):
+    _check_against_dense(lengths, *heads, causal, seed=seed, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_flash_matches_the_reference_in_half_precision(dtype):
+    """Longer sequences than the tile size, in 16-bit: both accumulate in fp32, so they agree to rounding."""
+    got = make_batch([70, 0, 130, 9], heads_q=4, heads_kv=2, head_dim=32, dtype=dtype, seed=3)
+    want = make_batch([70, 0, 130, 9], heads_q=4, heads_kv=2, head_dim=32, dtype=dtype, seed=3)
+    out = codegen.packed_attention(*got.inputs(), backend="cpu-flash")
+    ref = codegen.packed_attention(*want.inputs(), backend="reference")
+    assert out.dtype == dtype
+    assert relative_error(out, ref) < 2e-2
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref.backward(grad_out)
+    for name in "qkv":
+        assert relative_error(getattr(got, name).grad, getattr(want, name).grad) < 3e-2, f"grad {name}"
+
+
+def test_cpu_flash_rejects_tensors_off_the_cpu():
+    batch = make_batch([3, 5], heads_q=2, heads_kv=2, head_dim=8)
+    meta = [t.detach().to("meta") for t in (batch.q, batch.k, batch.v, batch.cu_seqlens)]
+    with pytest.raises(ValueError, match="cpu-flash.*CPU only.*meta"):
+        codegen.packed_attention(*meta, batch.max_seqlen, backend="cpu-flash")
 
 
 def test_reference_keeps_sequences_apart():
