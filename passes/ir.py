@@ -7,6 +7,7 @@ imports torch.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -21,6 +22,7 @@ __all__ = [
     "ReplicaPlan",
     "StepPlan",
     "PlanError",
+    "bucket_padding",
 ]
 
 
@@ -156,6 +158,15 @@ class Strategy:
         return self.describe()
 
 
+def bucket_padding(buckets: Sequence[int], tokens: int) -> int:
+    """Tokens the runtime adds to a micro-batch of ``tokens`` to reach its bucket (the smallest of the ascending
+    ``buckets`` that holds it): 0 without buckets, for an empty micro-batch, or beyond the largest bucket."""
+    if not buckets or tokens <= 0:
+        return 0
+    i = bisect.bisect_left(buckets, tokens)
+    return buckets[i] - tokens if i < len(buckets) else 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchemeCost:
     """Cost coefficients of one scheme: ``T(s) = a*s^2 + b*s + c`` ms per micro-batch per pipeline stage."""
@@ -196,10 +207,18 @@ class CostModel:
     """One entry per known scheme."""
     gpus_per_node: int = 8
     """GPUs in one node; a TP group of at most this size never crosses a node."""
+    buckets: tuple[int, ...] = ()
+    """Token counts the runtime pads each micro-batch up to (its compiled graphs' static sizes), ascending; the
+    padding runs as one more sequence and is charged as one. Empty: micro-batches run at their own size."""
     _index: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_positive_int("gpus_per_node", self.gpus_per_node)
+        if (not isinstance(self.buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                                       for b in self.buckets)
+                or list(self.buckets) != sorted(set(self.buckets))):
+            raise PlanError(f"buckets of cost model {self.name!r} must be a tuple of strictly ascending positive "
+                            f"integers, got {self.buckets!r}")
         index: dict[ParallelScheme, SchemeCost] = {}
         for entry in self.entries:
             if entry.scheme in index:
@@ -231,9 +250,10 @@ class CostModel:
         return max(e.max_tokens for e in self.entries)
 
     def micro_batch_ms(self, scheme: ParallelScheme, seq_lens: Sequence[int]) -> float:
-        """Time of one packed micro-batch on one stage: ``sum_i (a s_i^2 + b s_i) + c``."""
+        """Time of one packed micro-batch on one stage: ``sum_i (a s_i^2 + b s_i) + c``, the padding up to its
+        bucket (``buckets``) counted as one more sequence."""
         e = self.cost(scheme)
-        return sum(e.a * s * s + e.b * s for s in seq_lens) + e.c
+        return sum(e.seq_ms(s) for s in seq_lens) + e.seq_ms(bucket_padding(self.buckets, sum(seq_lens))) + e.c
 
     @staticmethod
     def replica_ms(scheme: ParallelScheme, micro_batch_ms: Sequence[float]) -> float:

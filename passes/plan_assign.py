@@ -15,7 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from passes.ir import CostModel, ParallelScheme, PlanError
+from passes.ir import CostModel, ParallelScheme, PlanError, bucket_padding
 
 __all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", "estimate_replica_ms"]
 
@@ -32,11 +32,12 @@ class Kind:
     b: float
     c: float
     max_tokens: int
+    buckets: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, cost_model: CostModel, scheme: ParallelScheme) -> "Kind":
         e = cost_model.cost(scheme)
-        return cls(scheme, e.a, e.b, e.c, e.max_tokens)
+        return cls(scheme, e.a, e.b, e.c, e.max_tokens, cost_model.buckets)
 
     @property
     def pp(self) -> int:
@@ -44,6 +45,10 @@ class Kind:
 
     def seq_ms(self, seq_len: int) -> float:
         return self.a * seq_len * seq_len + self.b * seq_len
+
+    def micro_ms(self, work: float, tokens: int) -> float:
+        """A micro-batch of ``tokens`` whose sequences sum to ``work`` ms: plus ``c`` and its bucket padding."""
+        return work + self.c + self.seq_ms(bucket_padding(self.buckets, tokens))
 
 
 def estimate_replica_ms(kind: Kind, work: float, tokens: int, longest: float, count: int) -> float:
@@ -88,7 +93,7 @@ def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[
 
 
 def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: list[float],
-                  v: int) -> tuple[list[list[int]], list[float]] | None:
+                  v: int) -> list[list[int]] | None:
     """Longest-time-first onto the least-loaded micro-batch with token room; None when it does not fit."""
     bins: list[list[int]] = [[] for _ in range(v)]
     load = [kind.c] * v
@@ -103,7 +108,7 @@ def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: list[fl
         bins[best].append(i)
         load[best] += ms[i]
         room[best] -= s
-    return [b for b in bins if b], [t for b, t in zip(bins, load) if b]
+    return [b for b in bins if b]
 
 
 def _one_f_one_b(pp: int, times: list[float]) -> float:
@@ -117,8 +122,12 @@ def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[l
     if any(seq_lens[i] > kind.max_tokens for i in indices):
         raise PlanError(f"a sequence longer than {kind.max_tokens} tokens was given to {kind.scheme.describe()}")
     ms = {i: kind.seq_ms(seq_lens[i]) for i in indices}
+
+    def times(bins: list[list[int]]) -> list[float]:
+        return [kind.micro_ms(sum(ms[i] for i in b), sum(seq_lens[i] for i in b)) for b in bins]
+
     best_bins = pack_fewest_bins(seq_lens, indices, kind.max_tokens)
-    best_ms = _one_f_one_b(kind.pp, [sum(ms[i] for i in b) + kind.c for b in best_bins])
+    best_ms = _one_f_one_b(kind.pp, times(best_bins))
     if kind.pp == 1:
         return best_bins, best_ms
     order = sorted(indices, key=lambda j: (-seq_lens[j], j))
@@ -130,9 +139,9 @@ def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[l
         packed = _balance_time(kind, order, seq_lens, ms, v)
         if packed is None:
             continue
-        total = _one_f_one_b(kind.pp, packed[1])
+        total = _one_f_one_b(kind.pp, times(packed))
         if total < best_ms - _EPS:
-            best_bins, best_ms = packed[0], total
+            best_bins, best_ms = packed, total
     return best_bins, best_ms
 
 

@@ -184,7 +184,7 @@ class Planner:
 
 
 def _micro_ms(kind: Kind, seq_lens: list[int], micro: list[int]) -> float:
-    return sum(kind.seq_ms(seq_lens[i]) for i in micro) + kind.c
+    return kind.micro_ms(sum(kind.seq_ms(seq_lens[i]) for i in micro), sum(seq_lens[i] for i in micro))
 
 
 def _replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]]) -> float:
@@ -193,7 +193,8 @@ def _replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]])
 
 def _padded_replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]]) -> float:
     """Without varlen attention every member pays for the micro-batch's longest length."""
-    times = [len(m) * kind.seq_ms(max(seq_lens[i] for i in m)) + kind.c for m in micro_batches]
+    longest = [max(seq_lens[i] for i in m) for m in micro_batches]
+    times = [kind.micro_ms(len(m) * kind.seq_ms(s), len(m) * s) for m, s in zip(micro_batches, longest)]
     return CostModel.replica_ms(kind.scheme, times)
 
 

@@ -1,10 +1,11 @@
 """Plan IR: parsing and printing, validation, the 1F1B formula."""
 
+import dataclasses
 import math
 
 import pytest
 
-from passes.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, SchemeCost, StepPlan, Strategy
+from passes.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, SchemeCost, StepPlan, Strategy, bucket_padding
 
 
 def test_strategy_round_trip_golden():
@@ -72,6 +73,21 @@ def test_micro_batch_and_replica_formulas_hand_computed():
     pp2 = ParallelScheme(tp=2, pp=2)
     assert m.replica_ms(pp2, [3.0, 5.0, 4.0]) == pytest.approx(12.0 + 1 * 5.0)
     assert m.replica_ms(pp2, []) == 0.0
+
+
+def test_bucket_padding_and_padded_micro_batch_hand_computed():
+    assert [bucket_padding((64, 128), t) for t in (0, 1, 64, 65, 128, 129)] == [0, 63, 0, 63, 0, 0]
+    assert bucket_padding((), 50) == 0
+    m = dataclasses.replace(_model(), buckets=(32, 64))
+    # [10, 20] is padded to 32 by one sequence of 2: 1e-3*(100+400+4) + 1.0*(30+2) + 10
+    assert m.micro_batch_ms(ParallelScheme(tp=1), [10, 20]) == pytest.approx(0.504 + 32 + 10)
+    assert m.micro_batch_ms(ParallelScheme(tp=1), [32]) == pytest.approx(_model().micro_batch_ms(ParallelScheme(tp=1), [32]))
+
+
+@pytest.mark.parametrize("buckets", [(64, 32), (0, 8), (8, 8), [8, 16], (8, True)])
+def test_bad_buckets_are_named(buckets):
+    with pytest.raises(PlanError, match="buckets of cost model 'toy' must be a tuple of strictly ascending"):
+        dataclasses.replace(_model(), buckets=buckets)
 
 
 def test_step_plan_json_fields():

@@ -23,6 +23,14 @@ def test_pack_pp1_exact_time():
     assert len(bins) == 2 and ms == pytest.approx(work + 2 * 10.0)
 
 
+def test_pack_charges_each_micro_batch_its_bucket_padding():
+    bucketed = Kind(ParallelScheme(tp=1), 1e-3, 1.0, 10.0, 100, (32, 64, 100))
+    bins, ms = pack_replica(bucketed, [60, 50, 40], [0, 1, 2])  # [60, 40] is full; [50] is padded by 14 to 64
+    work = sum(1e-3 * s * s + s for s in (60, 50, 40))
+    assert sorted(map(sorted, bins)) == [[0, 2], [1]]
+    assert ms == pytest.approx(work + 2 * 10.0 + (1e-3 * 14 * 14 + 14))
+
+
 def test_pack_pp_gt_1_uses_more_micro_batches_to_cut_the_bubble():
     seq_lens = [10] * 12
     bins, ms = pack_replica(PP3, seq_lens, list(range(12)))

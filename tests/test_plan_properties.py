@@ -1,13 +1,14 @@
 """Property tests of every planner policy: exactly-once, memory caps, rank sets, determinism, estimates
 that follow the cost-model formulas and never beat the lower bound."""
 
+import dataclasses
 import functools
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from passes.cost_model import build_cost_model, load_profile
 from passes.datasets import load_dataset
-from passes.ir import CostModel, ParallelScheme, SchemeCost, Strategy
+from passes.ir import CostModel, ParallelScheme, SchemeCost, Strategy, bucket_padding
 from passes.plan_policies import POLICIES, Planner, homogeneous_strategies
 from passes.plan_pool import build_pool
 
@@ -19,6 +20,8 @@ TOY = CostModel(name="toy", gpus_per_node=4, entries=(
 ))
 TOY_POOL = [Strategy.parse(s) for s in ["8x(tp1)", "1x(tp4)+4x(tp1)", "1x(tp2)+1x(tp1,pp2)+4x(tp1)", "2x(tp4)"]]
 TOY_PLANNER = Planner(TOY, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"))
+BUCKETED = dataclasses.replace(TOY, buckets=(64, 96, 128, 192, 256, 384, 512, 640, 1024, 1536))
+BUCKETED_PLANNER = Planner(BUCKETED, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +49,9 @@ def check_plan(planner: Planner, plan, seq_lens):
                 assert sum(seq_lens[i] for i in mb) <= r.max_tokens
         if plan.policy == "padding":
             e = cm.cost(r.scheme)
-            times = [len(mb) * e.seq_ms(max(seq_lens[i] for i in mb)) + e.c for mb in r.micro_batches]
+            longest = [max(seq_lens[i] for i in mb) for mb in r.micro_batches]
+            times = [len(mb) * e.seq_ms(s) + e.c + e.seq_ms(bucket_padding(cm.buckets, len(mb) * s))
+                     for mb, s in zip(r.micro_batches, longest)]
         else:
             times = [cm.micro_batch_ms(r.scheme, [seq_lens[i] for i in mb]) for mb in r.micro_batches]
         assert abs(r.est_ms - cm.replica_ms(r.scheme, times)) <= 1e-6 * max(1.0, r.est_ms)
@@ -69,6 +74,19 @@ def test_toy_plans_hold_every_invariant(seq_lens, policy):
     plan = TOY_PLANNER.plan(seq_lens, policy)
     check_plan(TOY_PLANNER, plan, seq_lens)
     assert _same(plan, TOY_PLANNER.plan(seq_lens, policy)), "deterministic"
+
+
+@settings(max_examples=40, deadline=None)
+@given(seq_lens=toy_batches, policy=st.sampled_from(POLICIES))
+def test_bucketed_plans_charge_the_padding_the_runtime_adds(seq_lens, policy):
+    """With buckets every estimate is the formula of the micro-batches as executed (padded to their bucket),
+    so never below the unpadded plan's own formula, and the unpadded lower bound still holds."""
+    plan = BUCKETED_PLANNER.plan(seq_lens, policy)
+    check_plan(BUCKETED_PLANNER, plan, seq_lens)
+    unpadded = max(TOY.replica_ms(r.scheme, [TOY.micro_batch_ms(r.scheme, [seq_lens[i] for i in mb])
+                                             for mb in r.micro_batches]) for r in plan.replicas)
+    if policy != "padding":
+        assert plan.est_step_ms >= unpadded - 1e-9
 
 
 @settings(max_examples=40, deadline=None)
