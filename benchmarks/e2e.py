@@ -7,7 +7,9 @@ ranks (spawned, file:// store, hard timeout), the per-policy metrics, the table,
 stamped with commit, device and config, and the plots (``benchmarks/e2e_plots.py``).
 
 Per policy: tokens per second (wall clock); the step time with one core per rank (the largest per-rank busy
-time: per-thread CPU time of the computing thread); balance (largest over mean per-rank busy time); the cost
+time: the CPU time of the rank's computing thread and of its communication threads over the forward and
+backward, ``runtime.cpu_clock``; the computing thread alone is reported beside it); balance (largest over
+mean per-rank busy time); the cost
 model's prediction of the step as executed (micro-batches padded to their bucket) over the measured one;
 recompiles after warm-up; parameter and gradient bytes moved per step; planning time and whether it was
 hidden behind the previous step. Bad input exits with status 2 and a one-line message.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -57,7 +60,7 @@ class E2EConfig:
     """Per-rank memory cap in tokens: a tp = k replica holds micro-batches of up to k times this."""
     global_tokens: int = 4096
     """Tokens per global batch."""
-    steps: int = 8
+    steps: int = 16
     """Measured steps per policy."""
     warmup: int = 1
     """Steps per policy before measuring (variants are compiled before these)."""
@@ -74,6 +77,10 @@ class E2EConfig:
     """AdamW learning rate."""
     timeout_s: float = 1500.0
     """Hard limit of the training job."""
+    take_turns: str = "auto"
+    """Replicas compute one after the other within a step (``Executor.take_turns``) so that every rank's busy
+    time is measured with the cores to itself: ``on``, ``off``, or ``auto`` (on when the ranks outnumber the
+    cores this process may use)."""
 
     def __post_init__(self) -> None:
         if self.model not in CPU_MODELS:
@@ -90,8 +97,17 @@ class E2EConfig:
             raise PlanError(f"{self.ranks} ranks are more than this machine can start (at most {max_local_ranks()})")
         if not self.policies or any(p not in POLICIES for p in self.policies):
             raise PlanError(f"unknown policy in {list(self.policies)!r}; known: {', '.join(POLICIES)}")
+        if self.take_turns not in ("auto", "on", "off"):
+            raise PlanError(f"take_turns must be 'auto', 'on' or 'off', got {self.take_turns!r}")
         if self.cost not in ("profile", "analytic") and not Path(self.cost).is_file():
             raise PlanError(f"cost {self.cost!r} is neither 'profile', 'analytic' nor a profile file")
+
+    @property
+    def replicas_take_turns(self) -> bool:
+        """``take_turns`` resolved on this machine."""
+        if self.take_turns == "auto":
+            return self.ranks > len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else False
+        return self.take_turns == "on"
 
     @property
     def tps(self) -> tuple[int, ...]:
@@ -157,10 +173,11 @@ def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("result
     buckets = token_buckets(cfg.max_tokens * max(cfg.tps))
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
                   warmup=cfg.warmup, max_tokens=cfg.max_tokens, buckets=buckets.sizes, cost_model=cost_model,
-                  dataset=data, lr=cfg.lr, show_progress=show_progress)
+                  dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns)
     started = time.perf_counter()
     records = run_local_ranks(cfg.ranks, rank_main, job, timeout_s=cfg.timeout_s)[0]
     return {"config": {**asdict(cfg), "policies": list(cfg.policies), "tps": list(cfg.tps),
+                       "replicas_take_turns": cfg.replicas_take_turns,
                        "buckets": list(buckets.sizes), "dataset_scaled": data.source, "cost_model": cost_model.name,
                        **cost_info},
             "records": records, "train_wall_s": time.perf_counter() - started,
@@ -178,6 +195,7 @@ def _policy_summary(rec: dict) -> dict:
     return {
         "tokens_per_s": tokens / (sum(s["wall_ms"] for s in steps) / 1e3),
         "step_ms_one_core_per_rank": float(np.mean(one_core)),
+        "step_ms_compute_thread": float(np.mean([max(s["compute_thread_ms"]) for s in steps])),
         "balance": float(np.mean([b.max() / b.mean() for b in busy])),
         "pred_over_measured": float(np.mean([s["pred_ms"] / m for s, m in zip(steps, one_core)])),
         "pred_over_measured_per_step": [round(s["pred_ms"] / m, 4) for s, m in zip(steps, one_core)],
@@ -225,12 +243,14 @@ def format_table(summary: dict, baseline: str = "homogeneous-token") -> str:
     pols = summary["policies"]
     base = pols.get(baseline, {}).get("step_ms_one_core_per_rank")
     lines = [f"{'policy':<18} {'tok/s wall':>10} {'step ms 1core/rank':>18} {'vs ' + baseline[:11]:>14} "
+             f"{'thread-only ms':>14} "
              f"{'balance':>8} {'pred/meas':>9} {'recomp':>6} {'param MB':>8} {'grad MB':>8} {'plan ms':>8} "
              f"{'hidden':>6}  strategies"]
     for name, p in pols.items():
         speed = f"{base / p['step_ms_one_core_per_rank']:.2f}x" if base else "-"
         strategies = ", ".join(f"{k} x{v}" for k, v in sorted(p["strategies"].items(), key=lambda kv: -kv[1]))
         lines.append(f"{name:<18} {p['tokens_per_s']:>10.0f} {p['step_ms_one_core_per_rank']:>18.1f} {speed:>14} "
+                     f"{p['step_ms_compute_thread']:>14.1f} "
                      f"{p['balance']:>8.3f} {p['pred_over_measured']:>9.3f} {p['recompiles_after_warmup']:>6} "
                      f"{p['param_bytes_moved'] / 2**20:>8.2f} {p['grad_bytes_moved'] / 2**20:>8.2f} "
                      f"{p['plan_ms']:>8.1f} {100 * p['plan_hidden']:>5.0f}%  {strategies}")
@@ -267,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a policy, repeatable (default: {', '.join(DEFAULT_POLICIES)})")
     p.add_argument("--cost", default=d.cost, help="profile (fit here first), analytic, or a profile JSON file")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed ({d.seed})")
+    p.add_argument("--take-turns", choices=("auto", "on", "off"), default=d.take_turns,
+                   help="replicas compute one after the other, so that each rank's busy time is measured with the "
+                        "cores to itself (auto: when the ranks outnumber the cores)")
     p.add_argument("--out", default="results", help="folder of the JSON lines and plots (results)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -280,10 +303,11 @@ def config_from_args(args: argparse.Namespace) -> E2EConfig:
     if args.smoke:
         return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, ranks=args.ranks, max_tokens=64,
                          global_tokens=256, steps=2, warmup=1, max_tp=2, policies=policies, cost="analytic",
-                         seed=args.seed)
+                         seed=args.seed, take_turns=args.take_turns)
     return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, ranks=args.ranks,
                      max_tokens=args.max_tokens, global_tokens=args.global_tokens, steps=args.steps,
-                     warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed)
+                     warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed,
+                     take_turns=args.take_turns)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,14 +6,14 @@ micro-batches) and the runtime's ``StepStats``."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from passes.datasets import LengthDataset
-from passes.ir import CostModel, StepPlan, Strategy
+from passes.ir import CostModel, StepPlan
 from passes.variant import TokenBuckets
 
 __all__ = ["RankJob", "rank_main", "predicted_ms"]
@@ -45,20 +45,16 @@ class RankJob:
     """AdamW learning rate."""
     show_progress: bool
     """Progress bar on rank 0."""
+    take_turns: bool = False
+    """Replicas compute one after the other within a step (``Executor.take_turns``)."""
 
 
 def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -> list[float]:
     """Per replica, the cost model's time of its micro-batches as the runtime executes them: each padded
     up to its token bucket by one extra sequence."""
-    out = []
-    for replica in plan.replicas:
-        total = 0.0
-        for mb in replica.micro_batches:
-            lens = [plan.seq_lens[i] for i in mb]
-            pad = buckets.bucket_for(sum(lens)) - sum(lens)
-            total += cost_model.micro_batch_ms(replica.scheme, lens + ([pad] if pad else []))
-        out.append(total)
-    return out
+    executed = dataclasses.replace(cost_model, buckets=buckets.sizes)
+    return [executed.replica_ms(r.scheme, [executed.micro_batch_ms(r.scheme, [plan.seq_lens[i] for i in mb])
+                                           for mb in r.micro_batches]) for r in plan.replicas]
 
 
 def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
@@ -67,16 +63,10 @@ def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for lens in job.batches]
 
 
-def _precompile(trainer, strategies: Sequence[Strategy], cost_model: CostModel, buckets: TokenBuckets) -> int:
-    """Compile, on this rank, every variant that ``strategies`` can ask of it (the trainer's warm-up)."""
-    trainer.warm_up(strategies)
-    return trainer.provider.recompiles()
-
-
 def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[float]) -> dict:
     return {
         "step": step, "loss": stats.loss, "tokens": stats.tokens, "strategy": stats.strategy,
-        "busy_ms": list(stats.busy_ms), "wall_ms": wall_ms, "recompiles": stats.recompiles,
+        "busy_ms": list(stats.busy_ms), "compute_thread_ms": list(stats.compute_thread_ms), "wall_ms": wall_ms, "recompiles": stats.recompiles,
         "param_bytes_moved": stats.param_bytes_moved, "grad_bytes_moved": stats.grad_bytes_moved,
         "tokens_per_rank": list(stats.tokens_per_rank), "plan_ms": stats.plan_ms, "plan_hidden": stats.plan_hidden,
         "est_ms": plan.est_step_ms, "pred_ms": max(pred), "lower_bound_ms": plan.lower_bound_ms,
@@ -94,13 +84,14 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
     init_weights_(compiled.model, seed=job.seed)
     buckets = TokenBuckets(sizes=job.buckets)
     options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr}, max_tokens=job.max_tokens,
-                           policy=policy, buckets=buckets)
+                           policy=policy, buckets=buckets, replicas_take_turns=job.take_turns)
     trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
-    planner = trainer._planner(list(job.batches[0])).planner
+    started = time.perf_counter()
+    planner = trainer._planner(list(job.batches[0])).planner  # builds the planner and warms its pool up
     baseline = policy in ("padding", "fixed-packing", "homogeneous-token")
     strategies = [planner.fixed] if baseline else list(planner.pool) + [planner.fixed]
-    started = time.perf_counter()
-    builds = _precompile(trainer, strategies, job.cost_model, buckets)
+    trainer.warm_up(strategies)  # every variant these strategies can ask of this rank
+    builds = trainer.provider.recompiles()
     return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool],
             "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
             "builds_before_steps": builds, "warm_recompiles": builds, "steps": []}

@@ -65,7 +65,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_positive_int, action="append", dest="tps", metavar="N",
                    help="a tensor-parallel degree to profile, repeatable (default 1, 2, 4)")
     p.add_argument("--max-tokens", type=_positive_int, default=512, help="per-rank memory cap in tokens (512)")
-    p.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per micro-batch (3)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per micro-batch, median kept (5)")
     p.add_argument("--gpus", type=_positive_int, default=4, help="ranks the memory constants are written for (4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out lengths (0)")
     p.add_argument("--out", default="profile.json", help="where to write the profile JSON (profile.json)")

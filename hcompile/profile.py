@@ -69,7 +69,7 @@ class ProfileJob:
     """Tensor-parallel degrees to profile (pp = 1)."""
     max_tokens: int = 512
     """Per-rank memory cap in tokens: tp = k runs micro-batches up to k times this."""
-    repeats: int = 3
+    repeats: int = 5
     """Timed runs per micro-batch (the median counts), after one untimed run."""
     gpus: int = 4
     """Cluster size the profile's memory constants are written for (``hcompile plan --gpus``)."""
@@ -143,12 +143,13 @@ def sweep_packs(cap: int, buckets: TokenBuckets, seed: int) -> list[tuple[tuple[
 
 def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repeats: int,
                 bucket_sizes: tuple[int, ...], show: bool) -> dict:
-    """In each of ``world`` ranks: thread CPU ms of forward+backward of every pack on this rank's TP slice,
-    and the bytes saved for backward at two sizes."""
+    """In each of ``world`` ranks: CPU ms (computing and communication threads, as the executor's busy time) of
+    forward+backward of every pack on this rank's TP slice, and the bytes saved for backward at two sizes."""
     import torch.distributed as dist
 
     from hcompile.api import CompiledModel
     from hcompile.train import CompiledProvider
+    from runtime.cpu_clock import RankCpuClock
     from runtime.executor import pack_micro_batch
     from runtime.loss import packed_causal_lm_loss_sum
 
@@ -160,10 +161,11 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     program.load({n: p.detach() for n, p in net.named_parameters()})
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = CPU_MODELS[model].vocab
+    clock = RankCpuClock()
 
     def run(lens: tuple[int, ...], hooks: dict | None = None) -> float:
         batch = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
-        started = time.thread_time()
+        started = clock.seconds()
         ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), torch.device("cpu"))
         if hooks is None:
             loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
@@ -176,7 +178,7 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
                 loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
         loss.backward()
         program.zero_grad()
-        return (time.thread_time() - started) * 1e3
+        return (clock.seconds() - started) * 1e3
 
     times = []
     for i, (lens, _) in enumerate(packs):

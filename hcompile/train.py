@@ -56,6 +56,9 @@ class TrainOptions:
     """Planner policy (the baselines are available for side-by-side runs)."""
     buckets: TokenBuckets | None = None
     """Token buckets micro-batches are padded to; default powers of two from 64 tokens."""
+    replicas_take_turns: bool = False
+    """Replicas compute one after the other within a step (``Executor.take_turns``): for measuring per-rank
+    busy times on a host with fewer cores than ranks; slower in wall-clock time."""
 
     def __post_init__(self) -> None:
         if self.loss != "causal_lm":
@@ -196,12 +199,16 @@ class Trainer:
                                   self.ctx.device)
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
-        self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider)
+        self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider,
+                                 take_turns=options.replicas_take_turns)
         model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
         if cost_model is not None and options.max_tokens is not None:
             model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
         capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
-        self.cost_model = cap_tokens(model, {e.scheme: capturable for e in model.entries})
+        self.cost_model = dataclasses.replace(cap_tokens(model, {e.scheme: capturable for e in model.entries}),
+                                              buckets=buckets.sizes)
+        """What the planner plans with: capped at the largest capturable bucket, each micro-batch charged the
+        padding up to its bucket, as the variants run it."""
         self._service: PlanService | None = None
         self._warm: set[Strategy] = set()
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
@@ -217,7 +224,7 @@ class Trainer:
             else:
                 pool = [Strategy.parse(s) for s in self.options.strategies]
             planner = Planner(self.cost_model, self.ctx.world_size, pool, fixed)
-            self._service = PlanService(planner, self.ctx.rank, self.options.policy)
+            self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock)
             self.warm_up([*pool, fixed])
         return self._service
 

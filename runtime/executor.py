@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from passes.ir import ParallelScheme, StepPlan
+from runtime.cpu_clock import RankCpuClock
 from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout, ParamSlice, grad_weight
 from runtime.loss import global_pair_count, packed_causal_lm_loss_sum
@@ -64,7 +65,8 @@ class StepStats:
     strategy: str
     """The step's strategy, ``1x(tp2,pp1)+2x(tp1,pp1)`` form."""
     busy_ms: tuple[float, ...]
-    """Per rank: CPU time of the thread that computed (forward, backward, sends), ms."""
+    """Per rank: CPU time of its forward, backward and their communication (the computing thread plus the
+    communication threads; background planning left out; ``runtime.cpu_clock``), ms."""
     wall_ms: float
     """Wall-clock time of the step on this rank, ms."""
     recompiles: int
@@ -79,6 +81,9 @@ class StepStats:
     """Planning wall time of this step on rank 0, ms (0 when the plan was given)."""
     plan_hidden: bool = False
     """Whether planning had finished before the step needed the plan."""
+    compute_thread_ms: tuple[float, ...] = ()
+    """Per rank: CPU time of the computing thread alone over the same window (communication threads left
+    out), ms."""
 
 
 def pack_micro_batch(batch: Sequence[torch.Tensor], indices: Sequence[int],
@@ -93,10 +98,17 @@ class Executor:
     """Runs planned steps on this rank."""
 
     def __init__(self, ctx: DistContext, cluster: Cluster, layout: FixedLayout, optimizer: torch.optim.Optimizer,
-                 provider: VariantProvider):
+                 provider: VariantProvider, take_turns: bool = False):
         self.ctx, self.cluster, self.layout = ctx, cluster, layout
         self.optimizer, self.provider = optimizer, provider
+        self.take_turns = take_turns
+        """Replicas compute their micro-batches one after the other (a barrier between turns) instead of at once.
+        For measurement on a host with fewer cores than ranks: each replica then has the cores to itself, so
+        a rank's busy time is what it would be with a core of its own, not inflated by other ranks
+        time-slicing its core; the step's wall time becomes the sum of the replicas' times."""
         self.groups = GroupCache()
+        self.cpu_clock = RankCpuClock()
+        """This rank's CPU clock; background threads (planning) register with it so busy times leave them out."""
 
     def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor], dry_run: bool = False) -> StepStats:
         """One training step: every rank calls it with the same plan and the same global batch. A dry run
@@ -111,13 +123,19 @@ class Executor:
         program = self.provider.stage(scheme, stage, tp_rank, tp_group)
         program.load(self.layout.gather())
         pairs = global_pair_count(plan.seq_lens)
-        busy_start = time.thread_time()
+        turns = len(plan.replicas) if self.take_turns else 0
+        for _ in range(min(replica, turns)):  # earlier replicas' turns
+            dist.barrier()
+        busy_start, thread_start = self.cpu_clock.seconds(), time.thread_time()
         micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in plan.replicas[replica].micro_batches]
         if scheme.pp == 1:
             loss_sum = self._run_local(program, micro, pairs)
         else:
             loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, micro, pairs)
-        busy_ms = (time.thread_time() - busy_start) * 1e3
+        thread_ms = (time.thread_time() - thread_start) * 1e3
+        busy_ms = (self.cpu_clock.seconds() - busy_start) * 1e3
+        for _ in range(min(replica, turns), turns):  # this replica's turn ends, then the later ones'
+            dist.barrier()
         counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else 0.0
         if not dry_run:
             grads = program.grads()
@@ -126,7 +144,7 @@ class Executor:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)
-        summary = torch.tensor([counted, busy_ms, float(tokens)], dtype=torch.float64)
+        summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64)
         gathered = [torch.zeros_like(summary) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, summary)
         return StepStats(
@@ -136,6 +154,7 @@ class Executor:
             param_bytes_moved=self.layout.param_bytes_moved - bytes_before[0],
             grad_bytes_moved=self.layout.grad_bytes_moved - bytes_before[1],
             tokens_per_rank=tuple(int(g[2]) for g in gathered),
+            compute_thread_ms=tuple(float(g[3]) for g in gathered),
         )
 
     @staticmethod

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from passes.ir import StepPlan, Strategy
 from passes.plan_policies import Planner
+from runtime.cpu_clock import RankCpuClock
 
 __all__ = ["PlanService", "PlannedStep"]
 
@@ -30,8 +31,10 @@ class PlannedStep:
 class PlanService:
     """``submit`` the next batch's lengths as soon as they are known; ``take`` the plan when it is needed."""
 
-    def __init__(self, planner: Planner, rank: int, policy: str = "hydraulis"):
+    def __init__(self, planner: Planner, rank: int, policy: str = "hydraulis", cpu_clock: RankCpuClock | None = None):
         self.planner, self.rank, self.policy = planner, rank, policy
+        self.cpu_clock = cpu_clock
+        """Where the planning thread registers as background work (the executor's clock), if given."""
         self._thread: threading.Thread | None = None
         self._result: tuple[StepPlan | None, float, BaseException | None] = (None, 0.0, None)
 
@@ -50,7 +53,8 @@ class PlanService:
             except BaseException as exc:  # re-raised on the calling thread in take()
                 self._result = (None, 0.0, exc)
 
-        self._thread = threading.Thread(target=work, name="hcompile-planner", daemon=True)
+        target = work if self.cpu_clock is None else self.cpu_clock.background(work)
+        self._thread = threading.Thread(target=target, name="hcompile-planner", daemon=True)
         self._thread.start()
 
     def take(self) -> PlannedStep:

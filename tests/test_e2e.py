@@ -26,6 +26,7 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
     for name, metrics in summary["policies"].items():
         assert set(FIELDS) <= set(metrics), name
         assert metrics["tokens_per_s"] > 0 and metrics["step_ms_one_core_per_rank"] > 0
+        assert 0 < metrics["step_ms_compute_thread"] <= metrics["step_ms_one_core_per_rank"] * 1.05
         assert metrics["balance"] >= 1.0 and metrics["pred_over_measured"] > 0
         assert len(metrics["pred_over_measured_per_step"]) == 2
         assert metrics["recompiles_after_warmup"] == 0

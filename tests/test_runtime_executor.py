@@ -21,7 +21,7 @@ def batches():
     return [[torch.randint(0, 61, (n,), generator=g) for n in step] for step in lens]
 
 
-def _train(rank, world, strategies, lr):
+def _train(rank, world, strategies, lr, take_turns=False):
     from runtime.distributed import DistContext
     from runtime.executor import Executor
     from runtime.fixed_layout import FixedLayout
@@ -29,7 +29,8 @@ def _train(rank, world, strategies, lr):
 
     ctx = DistContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
     layout = FixedLayout(init_params(0), rank, world)
-    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr), StagedProvider())
+    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr), StagedProvider(),
+                  take_turns=take_turns)
     planner = Planner(CPU_MODEL, world, [Strategy.parse("4x(tp1)")], fixed=Strategy.parse("4x(tp1)"))
     out = []
     for strategy, batch in zip(strategies, batches()):
@@ -39,10 +40,13 @@ def _train(rank, world, strategies, lr):
     return out
 
 
-@pytest.mark.parametrize("strategies", [STRATEGIES[:3], [STRATEGIES[3], STRATEGIES[1], STRATEGIES[0]]])
-def test_heterogeneous_steps_match_single_process_sgd(tmp_path, strategies):
+@pytest.mark.parametrize(("strategies", "take_turns"), [
+    (STRATEGIES[:3], False), ([STRATEGIES[3], STRATEGIES[1], STRATEGIES[0]], False),
+    (STRATEGIES[:3], True),  # replicas computing one after the other give the same step
+])
+def test_heterogeneous_steps_match_single_process_sgd(tmp_path, strategies, take_turns):
     lr = 0.5
-    results = run_ranks(4, tmp_path, _train, strategies, lr)
+    results = run_ranks(4, tmp_path, _train, strategies, lr, take_turns)
     params = {k: v.clone().requires_grad_(True) for k, v in init_params(0).items()}
     for step, batch in enumerate(batches()):
         loss = reference_loss(params, batch)
