@@ -9,10 +9,10 @@ stamped with commit, device and config, and the plots (``benchmarks/e2e_plots.py
 Per policy: tokens per second (wall clock); the step time with one core per rank (the largest per-rank busy
 time: the CPU time of the rank's computing thread and of its communication threads over the forward and
 backward, ``runtime.cpu_clock``; the computing thread alone is reported beside it); balance (largest over
-mean per-rank busy time); the cost
-model's prediction of the step as executed (micro-batches padded to their bucket) over the measured one;
-recompiles after warm-up; parameter and gradient bytes moved per step; planning time and whether it was
-hidden behind the previous step. Bad input exits with status 2 and a one-line message.
+mean per-rank busy time); the cost model's prediction of the step as executed (micro-batches padded to their
+bucket) over the measured one; recompiles after warm-up; parameter and gradient bytes moved per step;
+planning time and whether it was hidden behind the previous step. Bad input exits with status 2 and a
+one-line message.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ reference. May import torch and triton only.
 ``packed_attention`` is the entry point; ``KernelSpec`` / ``spec_space`` describe what the Triton kernels are
 generated from; ``reference_forward`` / ``reference_backward`` are the plain-torch oracle;
 ``cpu_flash_forward`` / ``cpu_flash_backward`` the CPU path (PyTorch's fused flash kernel, per sequence).
-Triton itself is
-imported only when a Triton kernel is first generated, so this package imports without it.
+Triton itself is imported only when a Triton kernel is first generated, so this package imports without it.
 
 For graph rewrites: the op is ``torch.ops.hydraulis.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal,
 softmax_scale, backend) -> (out, lse)`` with ``max_seqlen`` a SymInt and ``backend`` already resolved

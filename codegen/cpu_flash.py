@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from codegen.reference import sequence_spans
+
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -46,9 +48,7 @@ def cpu_flash_forward(
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(heads_q, total_tokens, dtype=torch.float32, device=q.device)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if end == start:
-            continue
+    for start, end in sequence_spans(offsets):
         seq_out, seq_lse = _FORWARD(_heads_first(q[start:end], 1), _heads_first(k[start:end], group_size),
                                     _heads_first(v[start:end], group_size), 0.0, causal, scale=softmax_scale)[:2]
         out[start:end] = seq_out[0].transpose(0, 1)
@@ -72,9 +72,7 @@ def cpu_flash_backward(
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group_size = heads_q // heads_kv
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if end == start:
-            continue
+    for start, end in sequence_spans(offsets):
         dq, dk, dv = _BACKWARD(
             _heads_first(grad_out[start:end], 1), _heads_first(q[start:end], 1),
             _heads_first(k[start:end], group_size), _heads_first(v[start:end], group_size),

@@ -16,6 +16,11 @@ def _expand_kv(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.transpose(0, 1).repeat_interleave(group_size, dim=0).float()
 
 
+def sequence_spans(offsets: list[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` of every non-empty sequence of a packed batch, from its validated offsets."""
+    return [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
+
+
 def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """(len, len) boolean, True where key j is visible to query i (j <= i)."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -35,9 +40,7 @@ def reference_forward(
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(heads_q, total_tokens, dtype=torch.float32, device=q.device)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if end == start:
-            continue
+    for start, end in sequence_spans(offsets):
         q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
         k_seq = _expand_kv(k[start:end], group_size)
         v_seq = _expand_kv(v[start:end], group_size)
@@ -67,9 +70,7 @@ def reference_backward(
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group_size = heads_q // heads_kv
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if end == start:
-            continue
+    for start, end in sequence_spans(offsets):
         length = end - start
         q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
         k_seq = _expand_kv(k[start:end], group_size)
