@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.e2e import FIELDS, E2EConfig, main, scale_dataset
+from benchmarks.e2e import FIELDS, E2EConfig, format_cost_model, main, scale_dataset
 from passes.datasets import load_dataset
 from passes.ir import PlanError
 
@@ -57,3 +57,12 @@ def test_bad_input_exits_2(argv, needle, capsys):
 def test_config_validation_quotes_the_value():
     with pytest.raises(PlanError, match="-3"):
         E2EConfig(steps=-3)
+
+
+def test_cost_model_line_reports_the_fit_per_scheme():
+    profiled = {"config": {"cost_model": "m", "profile_file": "p.json",
+                           "fit": {"(tp1,pp1)": {"r2": 0.9841, "mape_held_out": 0.0647},
+                                   "(tp2,pp1)": {"r2": 0.9479, "mape_held_out": 0.0828}}}}
+    assert format_cost_model(profiled) == ("cost model: profiled here (p.json): (tp1,pp1) R^2 0.984, held-out MAPE "
+                                           "6.5%, (tp2,pp1) R^2 0.948, held-out MAPE 8.3%")
+    assert format_cost_model({"config": {"cost_model": "analytic-cpu"}}) == "cost model: analytic-cpu"
