@@ -4,7 +4,8 @@ Owns the profiling job: for each scheme (tp in ``tps``, pp = 1) it runs the real
 tensor-parallel and packed-attention rewrites of the captured model, on ``tp`` local ranks) forward and
 backward on a sweep of packed micro-batches, each made of one or several sequences of different lengths at
 a token bucket's size (so no padding) so that ``a`` (sum s^2), ``b`` (sum s) and ``c`` separate. It times
-the busiest rank's thread CPU time (one core per rank), fits ``T = a*sum s^2 + b*sum s + c`` by least
+the busiest rank's CPU time with its communication threads (``runtime.cpu_clock``, one core per rank), the
+median of repeats taken round-robin over the sweep, fits ``T = a*sum s^2 + b*sum s + c`` by least
 squares on relative error with non-negative coefficients, reports R^2 on the fitted packs and the mean
 absolute percentage error on held-out packs of other lengths, measures the activation bytes each token keeps
 for backward, and writes a profile JSON in the presets' format (``passes.cost_model.Profile.from_dict``)
@@ -70,7 +71,8 @@ class ProfileJob:
     max_tokens: int = 512
     """Per-rank memory cap in tokens: tp = k runs micro-batches up to k times this."""
     repeats: int = 5
-    """Timed runs per micro-batch (the median counts), after one untimed run."""
+    """Timed runs per micro-batch (the median counts), after one untimed run; the sweep is timed this many
+    times over, round-robin."""
     gpus: int = 4
     """Cluster size the profile's memory constants are written for (``hcompile plan --gpus``)."""
     seed: int = 0
@@ -180,12 +182,20 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
         program.zero_grad()
         return (clock.seconds() - started) * 1e3
 
-    times = []
+    def tick(done: int) -> None:
+        if show and rank == 0 and done % len(packs) in (0, len(packs) // 2):
+            progress_bar(f"profile tp{world}", done, (repeats + 1) * len(packs))
+
     for i, (lens, _) in enumerate(packs):
-        run(lens)  # first run: builds the bucket's graph
-        times.append([run(lens) for _ in range(repeats)])
-        if show and rank == 0:
-            progress_bar(f"profile tp{world}", i + 1, len(packs))
+        run(lens)  # untimed: builds the bucket's graph, warms the allocator
+        tick(i + 1)
+    # Round-robin repeats: a burst of background load on a shared machine lands on one repeat of several packs
+    # (which the median drops), not on every repeat of one pack.
+    times: list[list[float]] = [[] for _ in packs]
+    for rep in range(repeats):
+        for i, (lens, _) in enumerate(packs):
+            times[i].append(run(lens))
+            tick((rep + 1) * len(packs) + i + 1)
     saved = []
     for total in (bucket_sizes[0], max(sum(lens) for lens, _ in packs)):
         hooks: dict = {}
