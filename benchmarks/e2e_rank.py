@@ -2,7 +2,8 @@
 model (same initial weights, same batches) with every variant its strategies can use compiled up front; then
 the steps, the policies interleaved step by step so that background load hits them alike (warm-up steps
 first, not measured). Rank 0 records per step the plan (strategy, per replica its ranks, scheme and
-micro-batches) and the runtime's ``StepStats``."""
+micro-batches), the runtime's ``StepStats`` and the cost-model calibration factors (``runtime.calibration``)
+the following plans use."""
 
 from __future__ import annotations
 
@@ -107,7 +108,10 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     if i == job.warmup - 1:
         state["warm_recompiles"] = stats.recompiles
     if i >= job.warmup:
-        state["steps"].append(_step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"])))
+        record = _step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"]))
+        if trainer.calibration is not None:  # rank 0: the factors the next plans use
+            record["calibration"] = {s.describe(): round(f, 4) for s, f in trainer.calibration.factors.items()}
+        state["steps"].append(record)
 
 
 def rank_main(rank: int, world: int, job: RankJob) -> dict | None:

@@ -24,6 +24,7 @@ from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
 from passes.tensor_parallel import ParamSlice
 from passes.variant import TokenBuckets, Variant
+from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
 from runtime.executor import Executor, StepStats
@@ -59,6 +60,11 @@ class TrainOptions:
     replicas_take_turns: bool = False
     """Replicas compute one after the other within a step (``Executor.take_turns``): for measuring per-rank
     busy times on a host with fewer cores than ranks; slower in wall-clock time."""
+    calibrate: bool = True
+    """Scale each scheme's cost by its measured-over-predicted ratio (median of the last 8 steps,
+    ``runtime.calibration``) when planning later steps; False plans with the given cost model throughout.
+    CPU ranks only: on GPUs a rank's busy time is CPU time, not the kernels' time (CUDA events are not
+    wired in yet), so nothing is calibrated there."""
 
     def __post_init__(self) -> None:
         if self.loss != "causal_lm":
@@ -209,6 +215,9 @@ class Trainer:
                                               buckets=buckets.sizes)
         """What the planner plans with: capped at the largest capturable bucket, each micro-batch charged the
         padding up to its bucket, as the variants run it."""
+        calibrate = options.calibrate and self.ctx.rank == 0 and self.ctx.device.type == "cpu"
+        self.calibration = OnlineCalibration(self.cost_model) if calibrate else None
+        """Rank 0's per-scheme correction of the cost model from measured steps (None: not calibrating)."""
         self._service: PlanService | None = None
         self._warm: set[Strategy] = set()
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
@@ -264,6 +273,9 @@ class Trainer:
             self._submit(_check_batch(next_batch), None)
         self.last_plan = planned
         stats = self.executor.run_step(planned.plan, [t.to(self.ctx.device) for t in batch])
+        if self.calibration is not None:  # plans submitted from the next step on use the corrected model
+            self.calibration.observe(planned.plan, stats.busy_ms)
+            self._service.set_cost_model(self.calibration.model())
         return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
 
     def save(self, path: str, step: int, data_position: int) -> None:

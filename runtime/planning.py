@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from passes.ir import StepPlan, Strategy
+from passes.ir import CostModel, PlanError, StepPlan, Strategy
 from passes.plan_policies import Planner
 from runtime.cpu_clock import RankCpuClock
 
@@ -37,6 +37,15 @@ class PlanService:
         """Where the planning thread registers as background work (the executor's clock), if given."""
         self._thread: threading.Thread | None = None
         self._result: tuple[StepPlan | None, float, BaseException | None] = (None, 0.0, None)
+        self._next_cost_model: CostModel | None = None
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        """Plan with ``cost_model`` from the next ``submit`` on (a plan in flight keeps the model it started
+        with); it must know the same schemes with the same caps."""
+        current = self.planner.cost_model
+        if [(e.scheme, e.max_tokens) for e in cost_model.entries] != [(e.scheme, e.max_tokens) for e in current.entries]:
+            raise PlanError(f"cost model {cost_model.name!r} does not have the schemes and caps of {current.name!r}")
+        self._next_cost_model = cost_model
 
     def submit(self, seq_lens: list[int], strategy: Strategy | None = None) -> None:
         """Start planning (on rank 0; other ranks do nothing)."""
@@ -44,6 +53,8 @@ class PlanService:
             return
         if self._thread is not None:
             raise RuntimeError("a plan was submitted and not taken yet")
+        if self._next_cost_model is not None:  # no planning thread is running now
+            self.planner.cost_model, self._next_cost_model = self._next_cost_model, None
 
         def work() -> None:
             started = time.perf_counter()

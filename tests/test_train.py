@@ -1,6 +1,8 @@
 """hcompile.compile(..., optimizer=...).train_step on 4 gloo ranks: heterogeneous strategies of the compiled
 GPT and LLaMA models give the single-process losses and parameters."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,7 +102,12 @@ def _auto(rank, world):
     stats = []
     for i in range(3, 23):  # 20 steps, the planner choosing, each planned while the previous one ran
         stats.append(trainer.train_step(data[i], next_batch=data[i + 1] if i + 1 < 23 else None))
-    return adam, rejected, unchanged, [(s.strategy, s.recompiles, s.plan_hidden, s.loss) for s in stats]
+    calibration = None
+    if trainer.calibration is not None:  # rank 0 plans with the cost model corrected by the measured steps
+        calibration = ({s.describe(): f for s, f in trainer.calibration.factors.items()},
+                       trainer._service.planner.cost_model.name)
+    return (adam, rejected, unchanged, [(s.strategy, s.recompiles, s.plan_hidden, s.loss) for s in stats],
+            calibration)
 
 
 def test_adamw_auto_strategies_and_rejection(tmp_path):
@@ -113,7 +120,11 @@ def test_adamw_auto_strategies_and_rejection(tmp_path):
     expected = []
     for batch in data[:3]:
         expected.append(float(_reference_step(model, opt, batch)))
-    for adam, rejected, unchanged, auto in results:
+    factors, planned_with = results[0][4]
+    assert planned_with.endswith("(calibrated)")
+    assert all(math.isfinite(f) and f > 0 and f != 1.0 for f in factors.values()), factors
+    assert all(r[4] is None for r in results[1:])
+    for adam, rejected, unchanged, auto, _ in results:
         assert adam == pytest.approx(expected, rel=1e-4)
         assert rejected is not None and "200 tokens" in rejected and unchanged
         strategies = {s for s, *_ in auto}
