@@ -175,7 +175,8 @@ class CompiledProvider:
 
 def cpu_cost_model(compiled: CompiledModel, world_size: int, max_tokens: int | None) -> CostModel:
     """Analytic cost model of the captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
-    pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens per micro-batch (1024 per rank when None)."""
+    pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens
+    per micro-batch (1024 per rank when None)."""
     analysis = analyze_graph(compiled.captured(64).graph_module)
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)

@@ -43,7 +43,11 @@ class PlanService:
         """Plan with ``cost_model`` from the next ``submit`` on (a plan in flight keeps the model it started
         with); it must know the same schemes with the same caps."""
         current = self.planner.cost_model
-        if [(e.scheme, e.max_tokens) for e in cost_model.entries] != [(e.scheme, e.max_tokens) for e in current.entries]:
+
+        def caps(model: CostModel) -> list:
+            return [(e.scheme, e.max_tokens) for e in model.entries]
+
+        if caps(cost_model) != caps(current):
             raise PlanError(f"cost model {cost_model.name!r} does not have the schemes and caps of {current.name!r}")
         self._next_cost_model = cost_model
 
