@@ -44,7 +44,7 @@ def plot_timeline(result: dict, path: Path) -> Path:
         ax.set_xlim(0, longest * 1.02)
         ax.set_title(f"{name}: step {step['step']}, {step['strategy']}, busiest rank {top:.0f} ms "
                      f"(grey: waiting)", fontsize=8)
-    axes[-1, 0].set_xlabel("per-rank busy time (thread CPU ms, one core per rank)")
+    axes[-1, 0].set_xlabel("per-rank busy time (CPU ms with communication threads, one core per rank)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -92,8 +92,8 @@ def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: s
 
     ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
     ``backend``: the torch.compile backend of the variants. With training options (``loss``, ``optimizer``,
-    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``cost_model``, ``dataset``,
-    ``cluster``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
+    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``calibrate``, ``cost_model``,
+    ``dataset``, ``cluster``; see ``hcompile.train.TrainOptions``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
     compiled = CompiledModel(model, buckets=buckets, backend=backend)
