@@ -3,7 +3,8 @@
 A profile is taken once, but the speed of a machine drifts (on a shared host the same kernel measured 10-30%
 slower a few minutes later) and not every scheme drifts alike, so a plan balanced on the profile comes out
 unbalanced. After each step, ``OnlineCalibration.observe`` compares every replica's measured busy time (its
-slowest rank) with what the *base* cost model predicts for the micro-batches it ran; per scheme, the factor
+slowest rank) with what the *base* cost model predicts for the micro-batches it ran (their sum: one
+pipeline stage's compute, the bubble being idle, not busy, time); per scheme, the factor
 is the median of the last ``window`` steps' measured-over-predicted ratios (a median, so that one step hit
 by background load does not move it). ``model()`` is the base model with each scheme's ``a``, ``b`` and
 ``c`` multiplied by its factor; a scheme not run yet takes the geometric mean of the factors of those that
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import replace
 from typing import Sequence
 
 from passes.ir import CostModel, ParallelScheme, PlanError, StepPlan
@@ -25,8 +27,6 @@ __all__ = ["OnlineCalibration", "scaled_cost_model"]
 
 def scaled_cost_model(model: CostModel, factors: dict[ParallelScheme, float]) -> CostModel:
     """``model`` with every listed scheme's time coefficients (``a``, ``b``, ``c``) times its factor."""
-    from dataclasses import replace
-
     for scheme, factor in factors.items():
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise PlanError(f"calibration factor of {scheme.describe()} must be a finite number > 0, got {factor!r}")
@@ -54,11 +54,12 @@ class OnlineCalibration:
                 continue
             if max(replica.ranks) >= len(busy_ms):
                 raise PlanError(f"busy times of {len(busy_ms)} ranks do not cover replica ranks {list(replica.ranks)}")
-            micro = [self.base.micro_batch_ms(replica.scheme, [plan.seq_lens[i] for i in mb])
-                     for mb in replica.micro_batches]
+            # A rank's busy time is its compute: a pipeline stage blocked in the bubble costs no CPU, so the
+            # comparison is with the sum of the micro-batch times (one stage's), not the 1F1B span.
+            compute = sum(self.base.micro_batch_ms(replica.scheme, [plan.seq_lens[i] for i in mb])
+                          for mb in replica.micro_batches)
             measured[replica.scheme] = measured.get(replica.scheme, 0.0) + max(busy_ms[r] for r in replica.ranks)
-            predicted[replica.scheme] = predicted.get(replica.scheme, 0.0) + self.base.replica_ms(replica.scheme,
-                                                                                                  micro)
+            predicted[replica.scheme] = predicted.get(replica.scheme, 0.0) + compute
         for scheme, pred in predicted.items():
             if pred > 0 and measured[scheme] > 0:
                 self._ratios.setdefault(scheme, deque(maxlen=self.window)).append(measured[scheme] / pred)

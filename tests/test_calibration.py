@@ -27,13 +27,12 @@ def mixed_plan():
     return planner().plan(LENS, strategy=MIXED)
 
 
-def busy_scaled(plan, factors):
-    """Per rank: the base model's time of its replica times the scheme's factor (what a machine whose schemes
-    run ``factors`` times the profile would measure)."""
+def busy_scaled(plan, factors, model=MODEL):
+    """Per rank: the base model's compute time of its replica's micro-batches (one stage's) times the scheme's
+    factor (what a machine whose schemes run ``factors`` times the profile would measure)."""
     busy = [0.0] * 4
     for r in plan.replicas:
-        ms = MODEL.replica_ms(r.scheme, [MODEL.micro_batch_ms(r.scheme, [plan.seq_lens[i] for i in mb])
-                                         for mb in r.micro_batches])
+        ms = sum(model.micro_batch_ms(r.scheme, [plan.seq_lens[i] for i in mb]) for mb in r.micro_batches)
         for rank in r.ranks:
             busy[rank] = ms * factors[r.scheme]
     return busy
@@ -71,6 +70,22 @@ def test_the_replica_is_timed_by_its_slowest_rank():
     busy[tp2_ranks[0]] *= 2.0
     cal.observe(plan, busy)
     assert cal.factors[TP2] == pytest.approx(2.0) and cal.factors[TP1] == pytest.approx(1.0)
+
+
+def test_pipeline_bubble_is_not_counted_as_busy():
+    """A (tp1,pp2) stage rank is busy for its micro-batches only; the 1F1B bubble is idle time."""
+    pp2 = ParallelScheme(tp=1, pp=2)
+    model = CostModel(name="pp", gpus_per_node=4, entries=(MODEL.entries[0],
+                                                            SchemeCost(scheme=pp2, a=5e-5, b=0.04, c=3.0,
+                                                                       max_tokens=1024)))
+    strategy = Strategy.parse("1x(tp1,pp2)+2x(tp1)")
+    plan = Planner(model, 4, [strategy], Strategy.parse("4x(tp1)")).plan(LENS[1:], strategy=strategy)
+    replica = next(r for r in plan.replicas if r.scheme == pp2)
+    micro = [model.micro_batch_ms(pp2, [plan.seq_lens[i] for i in mb]) for mb in replica.micro_batches]
+    assert len(micro) > 1 and model.replica_ms(pp2, micro) > sum(micro)  # the plan has a bubble
+    cal = OnlineCalibration(model)
+    cal.observe(plan, busy_scaled(plan, {TP1: 1.0, pp2: 1.3}, model))
+    assert cal.factors[pp2] == pytest.approx(1.3)
 
 
 def test_bad_input_is_named():
