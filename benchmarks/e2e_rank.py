@@ -54,8 +54,7 @@ def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -
     """Per replica, the cost model's time of its micro-batches as the runtime executes them: each padded
     up to its token bucket by one extra sequence."""
     executed = dataclasses.replace(cost_model, buckets=buckets.sizes)
-    return [executed.replica_ms(r.scheme, [executed.micro_batch_ms(r.scheme, [plan.seq_lens[i] for i in mb])
-                                           for mb in r.micro_batches]) for r in plan.replicas]
+    return [executed.replica_ms(r.scheme, executed.micro_batch_times(r, plan.seq_lens)) for r in plan.replicas]
 
 
 def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:

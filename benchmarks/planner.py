@@ -81,8 +81,7 @@ def _plot(reports: list[tuple[PlanReport, list[StepPlan]]], path: Path) -> None:
 def _timeline(ax, plan: StepPlan, cost_model: CostModel) -> None:
     """One row per replica: its micro-batches one after another, then the 1F1B warm-up/drain (hatched)."""
     for row, replica in enumerate(plan.replicas):
-        times = [cost_model.micro_batch_ms(replica.scheme, [plan.seq_lens[i] for i in mb])
-                 for mb in replica.micro_batches]
+        times = cost_model.micro_batch_times(replica, plan.seq_lens)
         x = 0.0
         for j, t in enumerate(times):
             ax.barh(row, t, left=x, height=0.8, color=("tab:blue", "tab:cyan")[j % 2], edgecolor="black",

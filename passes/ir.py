@@ -255,6 +255,10 @@ class CostModel:
         e = self.cost(scheme)
         return sum(e.seq_ms(s) for s in seq_lens) + e.seq_ms(bucket_padding(self.buckets, sum(seq_lens))) + e.c
 
+    def micro_batch_times(self, replica: ReplicaPlan, seq_lens: Sequence[int]) -> list[float]:
+        """``micro_batch_ms`` of each of ``replica``'s micro-batches (indices into ``seq_lens``)."""
+        return [self.micro_batch_ms(replica.scheme, [seq_lens[i] for i in mb]) for mb in replica.micro_batches]
+
     @staticmethod
     def replica_ms(scheme: ParallelScheme, micro_batch_ms: Sequence[float]) -> float:
         """1F1B time of a replica: ``sum_j t_j + (pp - 1) * max_j t_j`` (0 for no micro-batch)."""

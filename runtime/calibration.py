@@ -56,8 +56,7 @@ class OnlineCalibration:
                 raise PlanError(f"busy times of {len(busy_ms)} ranks do not cover replica ranks {list(replica.ranks)}")
             # A rank's busy time is its compute: a pipeline stage blocked in the bubble costs no CPU, so the
             # comparison is with the sum of the micro-batch times (one stage's), not the 1F1B span.
-            compute = sum(self.base.micro_batch_ms(replica.scheme, [plan.seq_lens[i] for i in mb])
-                          for mb in replica.micro_batches)
+            compute = sum(self.base.micro_batch_times(replica, plan.seq_lens))
             measured[replica.scheme] = measured.get(replica.scheme, 0.0) + max(busy_ms[r] for r in replica.ranks)
             predicted[replica.scheme] = predicted.get(replica.scheme, 0.0) + compute
         for scheme, pred in predicted.items():

@@ -73,6 +73,10 @@ def test_micro_batch_and_replica_formulas_hand_computed():
     pp2 = ParallelScheme(tp=2, pp=2)
     assert m.replica_ms(pp2, [3.0, 5.0, 4.0]) == pytest.approx(12.0 + 1 * 5.0)
     assert m.replica_ms(pp2, []) == 0.0
+    replica = ReplicaPlan(scheme=ParallelScheme(tp=1), ranks=(0,), micro_batches=((2, 0), (1,)), max_tokens=64,
+                          est_ms=0.0)
+    # micro-batch (20, 10) as above; (5,): 1e-3*25 + 5 + 10
+    assert m.micro_batch_times(replica, [10, 5, 20]) == pytest.approx([40.5, 15.025])
 
 
 def test_bucket_padding_and_padded_micro_batch_hand_computed():
