@@ -27,8 +27,11 @@ def _check_against_dense(lengths: list[int], heads_q: int, heads_kv: int, causal
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, (batch.q, batch.k, batch.v), grad_out)
     want = torch.autograd.grad(expected, (batch.q, batch.k, batch.v), grad_out.double())
+    # Relative to the step's largest gradient: a one-token sequence's dq is exactly 0, so both sides are rounding
+    # noise whose size (about 1e-7 of the other gradients) depends on the CPU's vector width.
+    floor = max(w.abs().max().item() for w in want)
     for name, g, w in zip("qkv", got, want):
-        assert relative_error(g, w) < 1e-5, f"grad {name}"
+        assert relative_error(g, w, floor=floor) < 1e-5, f"grad {name}"
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
