@@ -41,7 +41,7 @@ __all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table",
 
 DEFAULT_POLICIES = ("hydraulis", "homogeneous-token", "fixed-packing")
 FIELDS = ("tokens_per_s", "step_ms_one_core_per_rank", "balance", "pred_over_measured", "recompiles_after_warmup",
-          "param_bytes_moved", "grad_bytes_moved", "plan_ms", "plan_hidden")
+          "param_bytes_received", "grad_bytes_sent", "plan_ms", "plan_hidden")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,8 +203,8 @@ def _policy_summary(rec: dict) -> dict:
         "pred_over_measured_per_step": [round(s["pred_ms"] / m, 4) for s, m in zip(steps, one_core)],
         "plan_est_over_measured": float(np.mean([s["est_ms"] / m for s, m in zip(steps, one_core)])),
         "recompiles_after_warmup": int(rec["recompiles_after_warmup"]),
-        "param_bytes_moved": int(np.mean([s["param_bytes_moved"] for s in steps])),
-        "grad_bytes_moved": int(np.mean([s["grad_bytes_moved"] for s in steps])),
+        "param_bytes_received": int(np.mean([s["param_bytes_received"] for s in steps])),
+        "grad_bytes_sent": int(np.mean([s["grad_bytes_sent"] for s in steps])),
         "plan_ms": float(np.mean([s["plan_ms"] for s in steps])),
         "plan_hidden": float(np.mean([bool(s["plan_hidden"]) for s in steps])),
         "tokens_per_s_one_core_per_rank": tokens / (sum(one_core) / 1e3),
@@ -254,7 +254,7 @@ def format_table(summary: dict, baseline: str = "homogeneous-token") -> str:
         lines.append(f"{name:<18} {p['tokens_per_s']:>10.0f} {p['step_ms_one_core_per_rank']:>18.1f} {speed:>14} "
                      f"{p['step_ms_compute_thread']:>14.1f} "
                      f"{p['balance']:>8.3f} {p['pred_over_measured']:>9.3f} {p['recompiles_after_warmup']:>6} "
-                     f"{p['param_bytes_moved'] / 2**20:>8.2f} {p['grad_bytes_moved'] / 2**20:>8.2f} "
+                     f"{p['param_bytes_received'] / 2**20:>8.2f} {p['grad_bytes_sent'] / 2**20:>8.2f} "
                      f"{p['plan_ms']:>8.1f} {100 * p['plan_hidden']:>5.0f}%  {strategies}")
     return "\n".join(lines)
 

@@ -68,7 +68,7 @@ def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[fl
         "step": step, "loss": stats.loss, "tokens": stats.tokens, "strategy": stats.strategy,
         "busy_ms": list(stats.busy_ms), "compute_thread_ms": list(stats.compute_thread_ms), "wall_ms": wall_ms,
         "recompiles": stats.recompiles,
-        "param_bytes_moved": stats.param_bytes_moved, "grad_bytes_moved": stats.grad_bytes_moved,
+        "param_bytes_received": stats.traffic.params_received, "grad_bytes_sent": stats.traffic.grads_sent,
         "tokens_per_rank": list(stats.tokens_per_rank), "plan_ms": stats.plan_ms, "plan_hidden": stats.plan_hidden,
         "est_ms": plan.est_step_ms, "pred_ms": max(pred), "lower_bound_ms": plan.lower_bound_ms,
         "replicas": [{"scheme": r.scheme.describe(), "ranks": list(r.ranks), "est_ms": r.est_ms, "pred_ms": p,

@@ -101,7 +101,7 @@ def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: s
         return compiled
     from hcompile.train import TrainOptions, Trainer
 
-    extra = {k: training.pop(k) for k in ("cost_model", "dataset", "cluster") if k in training}
+    extra = {k: training.pop(k) for k in ("cost_model", "dataset", "cluster", "init", "state_dict") if k in training}
     return Trainer(compiled, TrainOptions(buckets=buckets, **training), **extra)
 
 

@@ -153,6 +153,8 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     from hcompile.train import CompiledProvider
     from runtime.cpu_clock import RankCpuClock
     from runtime.executor import pack_micro_batch
+    from runtime.fixed_layout import FixedLayout
+    from runtime.stage_params import StageParams
     from runtime.loss import packed_causal_lm_loss_sum
 
     net = build_model(model, seed)
@@ -160,13 +162,18 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     provider = CompiledProvider(CompiledModel(net, buckets=buckets), buckets)
     scheme = ParallelScheme(tp=world)
     program = provider.stage(scheme, 0, rank, dist.group.WORLD if world > 1 else None)
-    program.load({n: p.detach() for n, p in net.named_parameters()})
+    full = dict(net.named_parameters())
+    params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices, world)
+    program.bind(params.params)
+    params.materialize()
+    params.fill_from(full)
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = CPU_MODELS[model].vocab
     clock = RankCpuClock()
 
     def run(lens: tuple[int, ...], hooks: dict | None = None) -> float:
         batch = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
+        params.zero_grads()
         started = clock.seconds()
         ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), torch.device("cpu"))
         if hooks is None:
@@ -179,7 +186,6 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
         loss.backward()
-        program.zero_grad()
         return (clock.seconds() - started) * 1e3
 
     def tick(done: int) -> None:

@@ -22,17 +22,20 @@ from passes.datasets import LengthDataset
 from passes.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
 from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
-from passes.tensor_parallel import ParamSlice
+from passes.tensor_parallel import ParamSlice, split_dims
 from passes.variant import TokenBuckets, Variant
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
 from runtime.executor import Executor, StepStats
-from runtime.fixed_layout import FixedLayout
+from runtime.fixed_layout import FixedLayout, Init
 from runtime.planning import PlanService
 from runtime.topology import Cluster, place
 
 __all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens"]
+
+ANALYSIS_TOKENS = 64
+"""Tokens of the capture that graph analysis (cost model, tensor-parallel split dims) reads."""
 
 CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0, link_gbps=5.0,
                fixed_ms_per_layer=0.2, gpus_per_node=1024)
@@ -66,7 +69,17 @@ class TrainOptions:
     CPU ranks only: on GPUs a rank's busy time is CPU time, not the kernels' time (CUDA events are not
     wired in yet), so nothing is calibrated there."""
 
+    param_dtype: torch.dtype | None = None
+    """dtype of the compute copies of the parameters (and of their gradients): None is bfloat16 on GPUs and
+    float32 on the CPU. Master weights and optimiser state are float32 whatever it is."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype gradients travel to their owners in (summed there in float32)."""
+
     def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {value!r}")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
         if self.policy not in POLICIES:
@@ -81,29 +94,46 @@ class TrainOptions:
 
 class _VariantStage:
     """A StageProgram over the compiler's variants of one (scheme, stage, TP rank): a micro-batch runs the
-    variant of its token bucket; each variant used in a step takes the step's parameters on first use and
-    the step's gradients are summed over the variants used."""
+    variant of its token bucket. Every bucket's variant computes with the same Parameters (the runtime's
+    compute copy, bound once), so the gradients of all micro-batches of a step accumulate in one place."""
 
     def __init__(self, provider: "CompiledProvider", scheme: ParallelScheme, stage: int, tp_rank: int,
                  group_name: str | None):
         self.provider, self.scheme, self.stage, self.tp_rank, self.group = provider, scheme, stage, tp_rank, group_name
         first = provider.variant(scheme, stage, provider.buckets.sizes[0], tp_rank, group_name)
         self.param_slices: dict[str, ParamSlice] = {sl.name: sl for sl in first.params}
-        self._first = first
-        self._full: Mapping[str, torch.Tensor] | None = None
-        self._used: dict[int, Variant] = {}
+        self._params: dict[str, torch.nn.Parameter] | None = None
+        self._variants: dict[int, Variant] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
 
-    def load(self, full: Mapping[str, torch.Tensor]) -> None:
-        self._full, self._used = full, {}
+    def bind(self, params: Mapping[str, torch.nn.Parameter]) -> None:
+        missing = sorted(set(self.param_slices) - set(params))
+        if missing:
+            raise KeyError(f"stage {self.stage} of {self.scheme.describe()} needs parameters {missing[:5]}")
+        self._params = dict(params)
+        for v in self._variants.values():
+            v.bind_(self._params, self._buffer)
+
+    def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """One copy per stage of each buffer, on the parameters' device, floats in their dtype."""
+        if name not in self._buffers:
+            like = next(iter(self._params.values()), None)
+            device = like.device if like is not None else value.device
+            dtype = like.dtype if like is not None and value.is_floating_point() else value.dtype
+            self._buffers[name] = value.to(device=device, dtype=dtype)
+        return self._buffers[name]
 
     def _variant(self, bucket: int) -> Variant:
-        if bucket not in self._used:
+        if bucket not in self._variants:
+            if self._params is None:
+                raise RuntimeError(f"stage {self.stage} of {self.scheme.describe()} runs before bind()")
             v = self.provider.variant(self.scheme, self.stage, bucket, self.tp_rank, self.group)
-            v.load_(self._full)
-            for p in v.graph_module.parameters():
-                p.grad = None
-            self._used[bucket] = v
-        return self._used[bucket]
+            if {sl.name: sl for sl in v.params} != self.param_slices:
+                raise RuntimeError(f"bucket {bucket} of stage {self.stage} of {self.scheme.describe()} reads other "
+                                   f"parameter slices than bucket {self.provider.buckets.sizes[0]}")
+            v.bind_(self._params, self._buffer)
+            self._variants[bucket] = v
+        return self._variants[bucket]
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                  boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -113,23 +143,6 @@ class _VariantStage:
         if self.stage == self.scheme.pp - 1:
             return (variant.logits(outs, total),)
         return tuple(outs)
-
-    def zero_grad(self) -> None:
-        """Clear the gradients accumulated in the variants used since ``load``."""
-        for v in self._used.values():
-            for p in v.graph_module.parameters():
-                p.grad = None
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name in self.param_slices:
-            total = torch.zeros_like(self._first.graph_module.get_parameter(name))  # same shape and device
-            for v in self._used.values():
-                grad = v.graph_module.get_parameter(name).grad
-                if grad is not None:
-                    total += grad
-            out[name] = total
-        return out
 
 
 class CompiledProvider:
@@ -177,7 +190,7 @@ def cpu_cost_model(compiled: CompiledModel, world_size: int, max_tokens: int | N
     """Analytic cost model of the captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
     pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens
     per micro-batch (1024 per rank when None)."""
-    analysis = analyze_graph(compiled.captured(64).graph_module)
+    analysis = analyze_graph(compiled.captured(ANALYSIS_TOKENS).graph_module)
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
@@ -197,17 +210,24 @@ class Trainer:
     """Data-parallel replicas of any strategy, planned per step, on every rank of the job."""
 
     def __init__(self, compiled: CompiledModel, options: TrainOptions, *, cost_model: CostModel | None = None,
-                 dataset: LengthDataset | None = None, cluster: Cluster | None = None):
+                 dataset: LengthDataset | None = None, cluster: Cluster | None = None, init: Init | None = None,
+                 state_dict: Mapping[str, torch.Tensor] | None = None):
+        """``init``: a deterministic per-parameter initialiser (``init(name, full_fp32_tensor)``, called on
+        every rank for the parameters its shard holds); ``state_dict``: initial values on rank 0 (other ranks
+        may pass None), streamed to the owners. Neither: the model's own values (every rank's model must
+        then hold the same ones). A model built on the meta device needs one of them."""
         self.options, self.dataset = options, dataset
         self.ctx = _context()
         buckets = options.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
         self.provider = CompiledProvider(compiled, buckets)
-        self.layout = FixedLayout(dict(compiled.model.named_parameters()), self.ctx.rank, self.ctx.world_size,
-                                  self.ctx.device)
+        self.layout = _layout(compiled, self.ctx, init=init, state_dict=state_dict)
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
+        self.param_dtype = options.param_dtype or (torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32)
+        """The compute copies' dtype (the master weights and optimiser state stay fp32)."""
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider,
-                                 take_turns=options.replicas_take_turns)
+                                 take_turns=options.replicas_take_turns, param_dtype=self.param_dtype,
+                                 reduce_dtype=options.reduce_dtype)
         model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
         if cost_model is not None and options.max_tokens is not None:
             model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
@@ -290,6 +310,29 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""
         return self.layout.full_state_dict()
+
+
+def _layout(compiled: CompiledModel, ctx: DistContext, *, init: Init | None,
+            state_dict: Mapping[str, torch.Tensor] | None) -> FixedLayout:
+    """The fixed layout of the model's parameters (split dims stored outermost), filled once from what rank 0
+    was given: a state dict (streamed to the owners), an initialiser, or else the model's own values."""
+    if init is not None and state_dict is not None:
+        raise ValueError("pass an initialiser or a state dict, not both")
+    named = dict(compiled.model.named_parameters())
+    dims = split_dims(compiled.captured(ANALYSIS_TOKENS).graph_module)
+    layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
+    source = ["state_dict" if state_dict is not None else "init" if init is not None else "model"]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(source, src=0)
+    if source[0] == "state_dict":
+        layout.stream_from_rank0(state_dict if ctx.rank == 0 else None)
+    elif source[0] == "init":
+        if init is None:
+            raise ValueError(f"rank 0 initialises the parameters with an initialiser, rank {ctx.rank} has none")
+        layout.initialise(init)
+    else:
+        layout.fill_from(named)
+    return layout
 
 
 def _dry_plan(strategy: Strategy, lens: list[int], cluster: Cluster) -> StepPlan:

@@ -33,7 +33,8 @@ from passes.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SH
 from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
 from passes.sharding import Shard, propagate_node, where
 
-__all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "shard_tensor_parallel_pass"]
+__all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "split_dims",
+           "shard_tensor_parallel_pass"]
 
 _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -316,6 +317,16 @@ def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_para
             slices[node.target] = ParamSlice(name=node.target, full_shape=tuple(node.meta["val"].shape))
     return TensorParallelPlan(tp=tp, rank=rank, roles=tuple(roles.items()), chunks=tuple(chunks.items()),
                               params=tuple(slices.values()))
+
+
+def split_dims(gm: fx.GraphModule) -> dict[str, int]:
+    """Per parameter that tensor parallelism splits, the dim it splits (the same at every degree): what the
+    fixed layout stores outermost. Empty when the graph has no tensor-parallel form."""
+    try:
+        plan = decide_tensor_parallel(gm, 1, 0)
+    except PassError:
+        return {}
+    return {sl.name: sl.dim for sl in plan.params if sl.dim is not None}
 
 
 def _set_attr(root: nn.Module, name: str, value: torch.Tensor, as_param: bool, requires_grad: bool = True) -> None:

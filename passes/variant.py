@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from passes.ir import ParallelScheme
 from passes.packed_attention import rewrite_packed_attention_pass
@@ -100,7 +100,8 @@ class Variant:
     tp_rank: int
     """This rank's index in its tensor-parallel group."""
     graph_module: fx.GraphModule
-    """The rewritten stage; holds this rank's parameter slices (the model's own Parameters when tp == 1)."""
+    """The rewritten stage; holds this rank's parameter slices (the model's own Parameters when tp == 1, until
+    ``bind_`` gives it the runtime's)."""
     params: tuple[ParamSlice, ...]
     """Per parameter the stage reads: which slice of the full tensor it holds."""
     inputs: tuple[str, ...]
@@ -132,15 +133,36 @@ class Variant:
         """The (total, vocab) logits of the real tokens, from the last stage's outputs."""
         return outputs[self.output_index][0, :total]
 
-    def load_(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slices of the full parameters ``full`` (by name) into the variant."""
-        with torch.no_grad():
-            for sl in self.params:
-                self.graph_module.get_parameter(sl.name).copy_(sl.take(full[sl.name]))
+    def bind_(self, params: Mapping[str, nn.Parameter],
+              buffer: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Compute with ``params`` (this rank's slices by parameter name, e.g. the runtime's compute copy
+        shared by every bucket of a stage) instead of the Parameters the rewrite made; ``buffer(name, t)``
+        gives the tensor to use for each buffer (moved or cast). Call before the first run."""
+        for sl in self.params:
+            p = params[sl.name]
+            if tuple(p.shape) != sl.local_shape:
+                raise ValueError(f"variant {self.key.describe()}: parameter {sl.name!r} must have shape "
+                                 f"{sl.local_shape}, got {tuple(p.shape)}")
+            owner, leaf = _owner(self.graph_module, sl.name)
+            owner.register_parameter(leaf, p)
+        if buffer is not None:
+            for name, value in list(self.graph_module.named_buffers()):
+                owner, leaf = _owner(self.graph_module, name)
+                owner.register_buffer(leaf, buffer(name, value))
 
     def grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of this rank's slices, by parameter name."""
         return {sl.name: self.graph_module.get_parameter(sl.name).grad for sl in self.params}
+
+
+PIPELINE_COST_SEQ_LEN = 2048
+"""The sequence length the pipeline split costs attention at, whatever the bucket."""
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding attribute ``name`` (dotted) and the attribute's own name."""
+    path, _, leaf = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
 
 
 def pad_to_bucket(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +205,12 @@ def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0
     if ids_val is None or tuple(ids_val.shape) != (1, key.bucket):
         raise ValueError(f"variant {key.describe()} needs a graph captured on input (1, {key.bucket}), got "
                          f"{None if ids_val is None else tuple(ids_val.shape)}")
+    # The pipeline cut is costed at one sequence length for every bucket: every node's cost then scales with
+    # the bucket alike, so all buckets of a stage cut at the same place and read the same parameters.
     ctx = PassContext(scheme=key.scheme, tp_rank=tp_rank, tp_group=tp_group,
                       options={"packed_attention.backend": attention_backend,
-                               "tensor_parallel.vocab_parallel": vocab_parallel})
+                               "tensor_parallel.vocab_parallel": vocab_parallel,
+                               "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
     passes = [shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
     gm, records = run_passes(_copy(captured), passes, ctx)
     stage_gm, inputs, boundary_in, boundary_out = _stage_of(gm, records, key.stage)

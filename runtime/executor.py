@@ -1,9 +1,10 @@
 """The step executor: runs this rank's part of a ``StepPlan``.
 
-Every rank gathers the parameters from the fixed layout, takes the slices its stage program declares, runs
-its replica's micro-batches (tensor parallel inside the program; a 1F1B pipeline over point-to-point sends
-when pp > 1, shapes sent ahead of tensors), accumulates gradients with the loss divided by the global pair
-count, reduces the gradient slices back into the layout and steps the optimiser on its shard.
+Every rank pulls the parameter slices its stage program computes with from the fixed layout's owners
+(``runtime.redistribute``) into the program's compute copy (``runtime.stage_params``), runs its replica's
+micro-batches (tensor parallel inside the program; a 1F1B pipeline over point-to-point sends when pp > 1,
+shapes sent ahead of tensors) with the loss divided by the global pair count, pushes the gradient slices
+back to their owners and steps the optimiser on its shard. The compute copy exists only during the step.
 """
 
 from __future__ import annotations
@@ -15,32 +16,35 @@ from typing import Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from passes.ir import ParallelScheme, StepPlan
+from torch import nn
+from torch.profiler import record_function
+
+from passes.ir import ParallelScheme, StepPlan, Strategy
 from runtime.cpu_clock import RankCpuClock
 from runtime.distributed import DistContext, GroupCache
-from runtime.fixed_layout import FixedLayout, ParamSlice, grad_weight
+from runtime.fixed_layout import FixedLayout, ParamSlice
 from runtime.loss import global_pair_count, packed_causal_lm_loss_sum
+from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution, Traffic
+from runtime.stage_params import StageParams
 from runtime.topology import Cluster, Placement, place
 
 __all__ = ["StageProgram", "VariantProvider", "StepStats", "Executor", "pack_micro_batch"]
 
 
 class StageProgram(Protocol):
-    """One pipeline stage of one scheme on one TP rank. It holds its parameter slices: ``load`` copies them
-    in from the full parameters, calls accumulate gradients, ``grads`` hands them out."""
+    """One pipeline stage of one scheme on one TP rank. The runtime owns the parameters it computes with
+    (one ``nn.Parameter`` per slice, in the compute dtype, their storage swapped in for each step); the
+    program is bound to them once and uses them in every call."""
 
     param_slices: Mapping[str, ParamSlice]
     """Every parameter the stage uses, and the slice of it this rank holds."""
 
-    def load(self, full: Mapping[str, torch.Tensor]) -> None:
-        """Take this rank's slices of ``full`` and clear accumulated gradients."""
+    def bind(self, params: Mapping[str, nn.Parameter]) -> None:
+        """Compute with ``params`` (by name, shaped as the slices) from now on, in every token bucket."""
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                  boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The stage's outputs: the tensors the next stage takes, or ``(logits,)`` (T, vocab) on the last."""
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        """Gradient of each parameter slice accumulated since ``load`` (zeros where none flowed)."""
 
 
 class VariantProvider(Protocol):
@@ -71,10 +75,8 @@ class StepStats:
     """Wall-clock time of the step on this rank, ms."""
     recompiles: int
     """Compilations so far (all variants)."""
-    param_bytes_moved: int
-    """Bytes this rank received to gather parameters this step."""
-    grad_bytes_moved: int
-    """Bytes this rank moved to reduce gradients this step."""
+    traffic: Traffic
+    """Bytes this rank moved this step: parameter slices in, its shard's parts out, gradients both ways."""
     tokens_per_rank: tuple[int, ...]
     """Tokens each rank computed (a TP group's ranks each count their replica's tokens)."""
     plan_ms: float = 0.0
@@ -98,7 +100,8 @@ class Executor:
     """Runs planned steps on this rank."""
 
     def __init__(self, ctx: DistContext, cluster: Cluster, layout: FixedLayout, optimizer: torch.optim.Optimizer,
-                 provider: VariantProvider, take_turns: bool = False):
+                 provider: VariantProvider, take_turns: bool = False, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype = torch.float32, chunk_numel: int = DEFAULT_CHUNK_NUMEL):
         self.ctx, self.cluster, self.layout = ctx, cluster, layout
         self.optimizer, self.provider = optimizer, provider
         self.take_turns = take_turns
@@ -106,54 +109,76 @@ class Executor:
         For measurement on a host with fewer cores than ranks: each replica then has the cores to itself, so
         a rank's busy time is what it would be with a core of its own, not inflated by other ranks
         time-slicing its core; the step's wall time becomes the sum of the replicas' times."""
+        self.param_dtype, self.reduce_dtype, self.chunk_numel = param_dtype, reduce_dtype, chunk_numel
         self.groups = GroupCache()
         self.cpu_clock = RankCpuClock()
         """This rank's CPU clock; background threads (planning) register with it so busy times leave them out."""
+        self._params: dict[int, tuple[StageProgram, StageParams]] = {}
+        self._moves: dict[Strategy, Redistribution] = {}
+
+    def stage_params(self, program: StageProgram, scheme: ParallelScheme) -> StageParams:
+        """The compute copy of ``program``'s slices (made and bound once per program)."""
+        key = id(program)
+        if key not in self._params:
+            params = StageParams(self.layout, program.param_slices, scheme.tp, self.param_dtype, self.ctx.device)
+            program.bind(params.params)
+            self._params[key] = (program, params)  # the program is kept so that its id stays its own
+        return self._params[key][1]
+
+    def redistribution(self, strategy: Strategy, params: StageParams) -> Redistribution:
+        """The movement plan of ``strategy`` (built collectively on its first step, then cached)."""
+        if strategy not in self._moves:
+            self._moves[strategy] = Redistribution.build(self.layout, params.ranges, self.chunk_numel)
+        return self._moves[strategy]
 
     def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor], dry_run: bool = False) -> StepStats:
         """One training step: every rank calls it with the same plan and the same global batch. A dry run
         computes forward and backward (compiling what it meets) but leaves parameters and optimiser alone."""
         started = time.perf_counter()
-        bytes_before = (self.layout.param_bytes_moved, self.layout.grad_bytes_moved)
         placement = place(plan.strategy, self.cluster)
         self.groups.prepare(placement)
         replica, stage, tp_rank = placement.stage_of(self.ctx.rank)
         scheme = plan.replicas[replica].scheme
         tp_group = self.groups.get(placement.tp_groups(replica)[stage])
         program = self.provider.stage(scheme, stage, tp_rank, tp_group)
-        program.load(self.layout.gather())
+        params = self.stage_params(program, scheme)
+        move = self.redistribution(plan.strategy, params)
+        with record_function("hydraulis.pull_params"):
+            traffic = move.pull(self.layout, params.materialize())
+        params.zero_grads()
         pairs = global_pair_count(plan.seq_lens)
         turns = len(plan.replicas) if self.take_turns else 0
         for _ in range(min(replica, turns)):  # earlier replicas' turns
             dist.barrier()
         busy_start, thread_start = self.cpu_clock.seconds(), time.thread_time()
         micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in plan.replicas[replica].micro_batches]
-        if scheme.pp == 1:
-            loss_sum = self._run_local(program, micro, pairs)
-        else:
-            loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, micro, pairs)
+        with record_function("hydraulis.compute"):
+            if scheme.pp == 1:
+                loss_sum = self._run_local(program, micro, pairs)
+            else:
+                loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, micro, pairs)
         thread_ms = (time.thread_time() - thread_start) * 1e3
         busy_ms = (self.cpu_clock.seconds() - busy_start) * 1e3
         for _ in range(min(replica, turns), turns):  # this replica's turn ends, then the later ones'
             dist.barrier()
         counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else 0.0
+        params.release_data()  # backward is done: only the gradients are still needed
         if not dry_run:
-            grads = program.grads()
-            self.layout.reduce_gradients({n: (s, grads[n], grad_weight(s, scheme.tp))
-                                          for n, s in program.param_slices.items()})
+            with record_function("hydraulis.push_grads"):
+                traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
+            params.release()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        params.release()
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)
-        summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64)
+        summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64, device=self.ctx.device)
         gathered = [torch.zeros_like(summary) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, summary)
         return StepStats(
             loss=sum(float(g[0]) for g in gathered) / max(1, pairs), tokens=sum(plan.seq_lens),
             strategy=plan.strategy.describe(), busy_ms=tuple(float(g[1]) for g in gathered),
             wall_ms=(time.perf_counter() - started) * 1e3, recompiles=self.provider.recompiles(),
-            param_bytes_moved=self.layout.param_bytes_moved - bytes_before[0],
-            grad_bytes_moved=self.layout.grad_bytes_moved - bytes_before[1],
-            tokens_per_rank=tuple(int(g[2]) for g in gathered),
+            traffic=traffic, tokens_per_rank=tuple(int(g[2]) for g in gathered),
             compute_thread_ms=tuple(float(g[3]) for g in gathered),
         )
 

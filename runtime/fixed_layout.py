@@ -1,22 +1,31 @@
-"""The fixed optimiser layout (DESIGN.md section 7): fp32 master parameters and optimiser state sharded
-ZeRO-1 style over all ranks for the whole run, whatever each step's strategy.
+"""The fixed optimiser layout: fp32 master parameters (and the optimiser state on them) in one flat vector,
+sharded ZeRO-1 style in equal contiguous ranges over all ranks for the whole run, whatever each step's
+strategy.
 
-Each step every rank gathers the parameters and takes the slices its compute layout needs; after backward
-every rank scatters its gradient slices into a flat buffer that is summed over all ranks (reduce-scatter on
-NCCL, all-reduce on gloo, which has no reduce-scatter) so each rank holds the summed gradient of its shard.
-Switching strategy therefore moves no optimiser state. Bytes moved are counted per step.
+Owns the flat order. Parameters follow the model's order; each is stored with its tensor-parallel split dim
+outermost (a row-parallel weight (out, in), split along ``in``, is stored as its transpose), so that the
+slice any TP degree takes of it is one contiguous range per block (:meth:`FixedLayout.slice_ranges`). The
+shard is filled one parameter at a time, from the model's tensors, from a deterministic per-parameter
+initialiser, or from a state dict streamed from rank 0: no rank ever holds a tensor of the full parameter
+count, except :meth:`FixedLayout.full_state_dict`, which gathers everything on purpose.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from passes.tensor_parallel import ParamSlice
 
-__all__ = ["ParamSlice", "FixedLayout", "full_slice", "grad_weight", "scatter_add_"]
+__all__ = ["ParamSlice", "ParamSpec", "FixedLayout", "full_slice", "grad_weight", "Init"]
+
+Init = Callable[[str, torch.Tensor], None]
+"""Fills the full fp32 tensor of one named parameter in place; must give every rank the same values."""
 
 
 def full_slice(name: str, shape: tuple[int, ...]) -> ParamSlice:
@@ -32,81 +41,181 @@ def grad_weight(slc: ParamSlice, tp: int) -> float:
     return 1.0 / tp if slc.dim is None else 1.0 / slc.shared_by
 
 
-def scatter_add_(full: torch.Tensor, slc: ParamSlice, grad: torch.Tensor, weight: float) -> None:
-    """``full[slice] += weight * grad`` for a slice made of blocks of one dim."""
-    if slc.dim is None:
-        full.add_(grad, alpha=weight)
-        return
-    offset = 0
-    for start, stop in slc.ranges:
-        full.narrow(slc.dim, start, stop - start).add_(grad.narrow(slc.dim, offset, stop - start), alpha=weight)
-        offset += stop - start
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """One parameter of the flat vector."""
 
+    name: str
+    """Fully qualified name in the model."""
+    shape: tuple[int, ...]
+    """Shape of the whole parameter."""
+    split_dim: int | None = None
+    """The dim tensor parallelism splits (stored outermost); None: stored as is."""
+    offset: int = 0
+    """First element in the flat vector."""
 
-# torch renamed the flat-tensor collectives; use the new names where they exist.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    @property
+    def numel(self) -> int:
+        """Elements of the whole parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The parameter's dims in storage order: the split dim first, the others as they are."""
+        if self.split_dim is None:
+            return tuple(range(len(self.shape)))
+        return (self.split_dim, *(d for d in range(len(self.shape)) if d != self.split_dim))
+
+    def stored(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (the parameter's own shape) as a contiguous tensor in storage order."""
+        return full.permute(self.order).contiguous() if self.split_dim else full.contiguous()
+
+    def unstore(self, flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view with the parameter's dim order of ``flat``, the storage-order elements of a tensor of
+        ``shape`` (the parameter's dims)."""
+        order = self.order
+        view = flat.view([shape[d] for d in order])
+        return view.permute([order.index(d) for d in range(len(shape))]) if self.split_dim else view
 
 
 class FixedLayout:
-    """Parameters flattened in a fixed order into one fp32 vector, sharded equally over ``world_size``."""
+    """Parameters in a fixed flat order, fp32, sharded in equal contiguous ranges over ``world_size``."""
 
-    def __init__(self, named_params: dict[str, torch.Tensor], rank: int, world_size: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], rank: int, world_size: int,
+                 device: torch.device | str = "cpu", split_dims: Mapping[str, int] | None = None):
+        """An all-zero shard; fill it with :meth:`fill_from`, :meth:`initialise` or :meth:`stream_from_rank0`.
+        ``split_dims``: per parameter, the dim tensor parallelism splits (stored outermost)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        split_dims = dict(split_dims or {})
+        unknown = sorted(set(split_dims) - set(shapes))
+        if unknown:
+            raise KeyError(f"split dims given for unknown parameters {unknown}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.shapes = {name: tuple(p.shape) for name, p in named_params.items()}
-        self.offsets: dict[str, int] = {}
+        self.specs: dict[str, ParamSpec] = {}
         total = 0
-        for name, shape in self.shapes.items():
-            self.offsets[name] = total
+        for name, shape in shapes.items():
+            dim = split_dims.get(name)
+            if dim is not None and not 0 <= dim < len(shape):
+                raise ValueError(f"split dim {dim!r} of {name!r} is not a dim of its shape {tuple(shape)}")
+            self.specs[name] = ParamSpec(name=name, shape=tuple(shape), split_dim=dim or None, offset=total)
             total += math.prod(shape)
         self.numel = total
-        self.shard_numel = -(-total // world_size)
-        full = torch.zeros(self.shard_numel * world_size, dtype=torch.float32, device=self.device)
-        for name, p in named_params.items():
-            self._view(full, name).copy_(p.detach().to(torch.float32))
-        lo = rank * self.shard_numel
-        self.shard = nn.Parameter(full[lo:lo + self.shard_numel].clone())
-        self.param_bytes_moved = 0
-        self.grad_bytes_moved = 0
+        self.shard_numel = max(1, -(-total // world_size))
+        self.shard_lo = rank * self.shard_numel
+        """First flat element of this rank's shard (the shard ends ``shard_numel`` later; padding past
+        ``numel`` stays zero)."""
+        self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device))
 
-    def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        start = self.offsets[name]
-        return flat[start:start + math.prod(self.shapes[name])].view(self.shapes[name])
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], rank: int, world_size: int,
+                     device: torch.device | str = "cpu", split_dims: Mapping[str, int] | None = None) -> "FixedLayout":
+        """The layout of these parameters (their order and shapes), its shard filled from them."""
+        layout = cls({n: tuple(t.shape) for n, t in tensors.items()}, rank, world_size, device, split_dims)
+        layout.fill_from(tensors)
+        return layout
 
-    def gather(self) -> dict[str, torch.Tensor]:
-        """Every parameter, full size, gathered from all shards (views into one flat buffer)."""
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's full shape, in flat order."""
+        return {name: spec.shape for name, spec in self.specs.items()}
+
+    def owner_range(self, owner: int) -> tuple[int, int]:
+        """The flat range [lo, hi) that rank ``owner`` holds."""
+        return owner * self.shard_numel, (owner + 1) * self.shard_numel
+
+    def slice_ranges(self, slc: ParamSlice) -> list[tuple[int, int]]:
+        """The flat ranges [lo, hi) holding the elements of ``slc``, in flat order. In storage order a slice
+        along the split dim is one range per block; along another dim, one per block per outer index."""
+        spec = self._spec(slc.name)
+        if tuple(slc.full_shape) != spec.shape:
+            raise ValueError(f"slice of {slc.name!r} has shape {slc.full_shape}, the layout {spec.shape}")
+        if slc.dim is None:
+            return [(spec.offset, spec.offset + spec.numel)]
+        stored_shape = [spec.shape[d] for d in spec.order]
+        pos = spec.order.index(slc.dim)
+        outer, inner = math.prod(stored_shape[:pos]), math.prod(stored_shape[pos + 1:])
+        row = stored_shape[pos] * inner
+        return [(spec.offset + o * row + a * inner, spec.offset + o * row + b * inner)
+                for o in range(outer) for a, b in slc.ranges]
+
+    def _spec(self, name: str) -> ParamSpec:
+        if name not in self.specs:
+            raise KeyError(f"unknown parameter {name!r} (the layout holds {len(self.specs)} parameters)")
+        return self.specs[name]
+
+    def _own_part(self, spec: ParamSpec) -> tuple[int, int] | None:
+        """(first element within the parameter, count) of the part of ``spec`` in this rank's shard."""
+        lo = max(spec.offset, self.shard_lo)
+        hi = min(spec.offset + spec.numel, self.shard_lo + self.shard_numel)
+        return (lo - spec.offset, hi - lo) if hi > lo else None
+
+    def _copy_own_part(self, spec: ParamSpec, full: torch.Tensor) -> None:
+        part = self._own_part(spec)
+        if part is not None:
+            start, count = part
+            dst = spec.offset + start - self.shard_lo
+            with torch.no_grad():
+                self.shard[dst:dst + count].copy_(spec.stored(full.detach()).view(-1)[start:start + count])
+
+    def fill_from(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """This rank's shard from full tensors of every parameter (by name), one parameter at a time."""
+        missing = [n for n in self.specs if n not in tensors]
+        if missing:
+            raise KeyError(f"no value for parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for name, spec in self.specs.items():
+            full = tensors[name]
+            if tuple(full.shape) != spec.shape:
+                raise ValueError(f"parameter {name!r}: expected shape {spec.shape}, got {tuple(full.shape)}")
+            if full.device.type == "meta":
+                raise ValueError(f"parameter {name!r} is on the meta device: pass an initialiser or a state dict")
+            self._copy_own_part(spec, full)
+
+    def initialise(self, init: Init) -> None:
+        """This rank's shard from ``init(name, tensor)``, called for each parameter that has elements in it,
+        on a full fp32 tensor of that parameter alone (so memory never holds more than one full parameter)."""
+        for name, spec in self.specs.items():
+            if self._own_part(spec) is None:
+                continue
+            full = torch.empty(spec.shape, dtype=torch.float32, device=self.device)
+            init(name, full)
+            self._copy_own_part(spec, full)
+
+    def stream_from_rank0(self, state: Mapping[str, torch.Tensor] | None) -> None:
+        """Collective: rank 0 holds every parameter in ``state`` (other ranks pass None) and sends each
+        owner its part, one parameter at a time."""
+        if self.rank == 0:
+            self.fill_from(state or {})  # checks names and shapes before anything is sent
+        for name, spec in self.specs.items():
+            for owner in range(1, self.world_size):
+                lo, hi = self.owner_range(owner)
+                lo, hi = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+                if hi <= lo:
+                    continue
+                if self.rank == 0:
+                    piece = spec.stored(state[name].detach().to(torch.float32)).view(-1)[lo - spec.offset:hi - spec.offset]
+                    dist.send(piece.to(self.device).contiguous(), owner)
+                elif self.rank == owner:
+                    buf = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+                    dist.recv(buf, 0)
+                    with torch.no_grad():
+                        self.shard[lo - self.shard_lo:hi - self.shard_lo].copy_(buf)
+
+    def views(self, flat: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Each parameter, in its own shape, as a view of a full flat vector ``flat``."""
+        out = {}
+        for name in (self.specs if names is None else names):
+            spec = self._spec(name)
+            out[name] = spec.unstore(flat[spec.offset:spec.offset + spec.numel], spec.shape)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its original name, gathered from all shards (collective; the one call that
+        holds the whole model on each rank)."""
         flat = torch.empty(self.shard_numel * self.world_size, dtype=torch.float32, device=self.device)
         if self.world_size == 1:
             flat.copy_(self.shard.detach())
         else:
-            _all_gather(flat, self.shard.detach().contiguous())
-            self.param_bytes_moved += (self.world_size - 1) * self.shard_numel * 4
-        return {name: self._view(flat, name) for name in self.shapes}
-
-    def reduce_gradients(self, grads: dict[str, tuple[ParamSlice, torch.Tensor, float]]) -> None:
-        """Sum every rank's gradient slices (times their weights) into this rank's shard gradient."""
-        flat = torch.zeros(self.shard_numel * self.world_size, dtype=torch.float32, device=self.device)
-        for name, (slc, grad, weight) in grads.items():
-            if name not in self.offsets:
-                raise KeyError(f"gradient for unknown parameter {name!r}")
-            scatter_add_(self._view(flat, name), slc, grad.detach().to(torch.float32), weight)
-        lo = self.rank * self.shard_numel
-        if self.world_size == 1:
-            shard_grad = flat
-        elif dist.get_backend() == "nccl":
-            shard_grad = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
-            _reduce_scatter(shard_grad, flat)
-            self.grad_bytes_moved += (self.world_size - 1) * self.shard_numel * 4
-        else:
-            dist.all_reduce(flat)
-            self.grad_bytes_moved += 2 * (self.world_size - 1) * self.shard_numel * 4
-            shard_grad = flat[lo:lo + self.shard_numel]
-        self.shard.grad = shard_grad.clone() if self.shard.grad is None else self.shard.grad.copy_(shard_grad)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gathered parameters under their original names, cloned (collective: every rank calls it)."""
-        before = self.param_bytes_moved
-        full = {name: t.clone() for name, t in self.gather().items()}
-        self.param_bytes_moved = before
-        return full
+            dist.all_gather_into_tensor(flat, self.shard.detach().contiguous())
+        return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # contiguous, not a view
+                for name, t in self.views(flat).items()}

@@ -63,11 +63,8 @@ class StagedProgram:
         self.param_slices = {n: full_slice(n, shapes[n]) for n in names}
         self.params: dict[str, torch.Tensor] = {}
 
-    def load(self, full):
-        self.params = {n: full[n].detach().clone().requires_grad_(True) for n in self.param_slices}
-
-    def grads(self):
-        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.params.items()}
+    def bind(self, params):
+        self.params = dict(params)
 
     def __call__(self, ids, cu_seqlens, max_seqlen, boundary):
         return (forward_stage(self.params, self.stage, self.pp, boundary[0] if boundary else ids, cu_seqlens),)
@@ -84,12 +81,15 @@ def forward_stage(p, stage, pp, x, cu_seqlens):
 
 
 class StagedProvider:
-    """VariantProvider for the staged LM (tensor parallel degree 1 only)."""
+    """VariantProvider for the staged LM (tensor parallel degree 1 only): one program per (pp, stage)."""
+
+    def __init__(self):
+        self.programs = {}
 
     def stage(self, scheme, stage, tp_rank, tp_group):
         if scheme.tp != 1:
             raise ValueError(f"the staged test LM has no tensor-parallel form, got {scheme.describe()}")
-        return StagedProgram(stage, scheme.pp)
+        return self.programs.setdefault((scheme.pp, stage), StagedProgram(stage, scheme.pp))
 
     def recompiles(self) -> int:
         return 0

@@ -28,7 +28,7 @@ def _train(rank, world, strategies, lr, take_turns=False):
     from runtime.topology import Cluster
 
     ctx = DistContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
-    layout = FixedLayout(init_params(0), rank, world)
+    layout = FixedLayout.from_tensors(init_params(0), rank, world)
     ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr), StagedProvider(),
                   take_turns=take_turns)
     planner = Planner(CPU_MODEL, world, [Strategy.parse("4x(tp1)")], fixed=Strategy.parse("4x(tp1)"))

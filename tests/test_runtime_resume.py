@@ -20,7 +20,7 @@ def _setup(rank, world):
     from runtime.topology import Cluster
 
     ctx = DistContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
-    layout = FixedLayout(init_params(0), rank, world)
+    layout = FixedLayout.from_tensors(init_params(0), rank, world)
     opt = torch.optim.AdamW([layout.shard], lr=1e-2, weight_decay=0.1)
     return layout, opt, Executor(ctx, Cluster.local(world), layout, opt, StagedProvider())
 

@@ -1,0 +1,128 @@
+"""The compute copy of one stage program's parameters on this rank: what a (scheme, pipeline stage, TP rank)
+computes with, shared by every token bucket's compiled variant.
+
+Owns one flat buffer in the compute dtype that holds the rank's parameter slices in the fixed layout's flat
+order (so the redistribution receives straight into it), one ``nn.Parameter`` per slice viewing it in the
+shape the graph expects, and one flat gradient buffer in the same order that the Parameters' ``.grad`` view
+(so autograd accumulates every micro-batch of every bucket into one place, once, and the buffer is sent to
+the owners as it is). Storage exists only during a step: :meth:`StageParams.materialize` before it,
+:meth:`release` after it, so a rank never keeps the slices of a strategy it is not running.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from runtime.fixed_layout import FixedLayout, ParamSlice, grad_weight
+
+__all__ = ["StageParams", "merge_ranges"]
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping ranges with touching neighbours joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo < out[-1][1]:
+            raise ValueError(f"overlapping ranges {out[-1]} and {(lo, hi)}")
+        if out and lo == out[-1][1]:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+class StageParams:
+    """One rank's parameter slices of one stage program, in ``dtype`` on ``device``."""
+
+    def __init__(self, layout: FixedLayout, slices: Mapping[str, ParamSlice], tp: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.dtype, self.device = dtype, torch.device(device)
+        ordered = sorted(slices.values(), key=lambda s: layout.specs[s.name].offset if s.name in layout.specs
+                         else _unknown(s.name))
+        self._views: list[tuple[str, int, ParamSlice]] = []
+        """(name, first element in the flat buffer, slice) in flat order."""
+        self.weights: list[tuple[int, int, float]] = []
+        """(start, count, factor) of the gradient regions that count with a factor other than 1."""
+        ranges: list[tuple[int, int]] = []
+        start = 0
+        for slc in ordered:
+            numel = math.prod(slc.local_shape)
+            self._views.append((slc.name, start, slc))
+            weight = grad_weight(slc, tp)
+            if weight != 1.0:
+                self.weights.append((start, numel, weight))
+            ranges.extend(layout.slice_ranges(slc))
+            start += numel
+        self.numel = start
+        """Elements of all the slices."""
+        self.ranges = merge_ranges(ranges)
+        """The flat ranges of the layout the buffer holds, in order (touching ranges joined)."""
+        self._layout = layout
+        self.params: dict[str, nn.Parameter] = {
+            name: nn.Parameter(torch.empty(0, dtype=dtype, device=self.device)) for name, _, _ in self._views}
+        """The Parameters the stage program computes with; their storage is swapped in by ``materialize``."""
+        self.flat: torch.Tensor | None = None
+        self.grad_flat: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter buffer (the gradient buffer is the same size)."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        """Fresh (uninitialised) storage for the parameters; returns the flat buffer to fill."""
+        self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        for name, view in self._regions(self.flat).items():
+            self.params[name].data = view
+        return self.flat
+
+    def zero_grads(self) -> None:
+        """A zeroed gradient buffer that every Parameter's ``.grad`` views (autograd adds into it in place)."""
+        self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for name, view in self._regions(self.grad_flat).items():
+            self.params[name].grad = view
+
+    def weighted_grads(self) -> torch.Tensor:
+        """The flat gradient buffer with each region multiplied by its factor (in place): what the owners sum."""
+        if self.grad_flat is None:
+            raise RuntimeError("no gradients: zero_grads() was not called this step")
+        for start, count, weight in self.weights:
+            self.grad_flat[start:start + count].mul_(weight)
+        return self.grad_flat
+
+    def fill_from(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's slices of full parameters (by name) into the buffer, without communication (for
+        single-group use such as profiling); ``materialize`` first."""
+        if self.flat is None:
+            raise RuntimeError("materialize() before fill_from()")
+        with torch.no_grad():
+            for name, _, slc in self._views:
+                self.params[name].copy_(slc.take(full[name].detach()))
+
+    def release_data(self) -> None:
+        """Drop the parameter storage (the Parameters stay, empty)."""
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.flat = None
+
+    def release(self) -> None:
+        """Drop the parameter and gradient storage."""
+        for p in self.params.values():
+            p.grad = None
+        self.grad_flat = None
+        self.release_data()
+
+    def _regions(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, start, slc in self._views:
+            spec = self._layout.specs[name]
+            out[name] = spec.unstore(flat[start:start + math.prod(slc.local_shape)], slc.local_shape)
+        return out
+
+
+def _unknown(name: str) -> int:
+    raise KeyError(f"a stage program reads parameter {name!r}, which the fixed layout does not hold")
