@@ -78,6 +78,10 @@ class ParamSpec:
         return view.permute([order.index(d) for d in range(len(shape))]) if self.split_dim else view
 
 
+# torch renamed the flat-tensor all-gather; use the new name where it exists.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class FixedLayout:
     """Parameters in a fixed flat order, fp32, sharded in equal contiguous ranges over ``world_size``."""
 
@@ -216,6 +220,6 @@ class FixedLayout:
         if self.world_size == 1:
             flat.copy_(self.shard.detach())
         else:
-            dist.all_gather_into_tensor(flat, self.shard.detach().contiguous())
+            _all_gather(flat, self.shard.detach().contiguous())
         return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # contiguous, not a view
                 for name, t in self.views(flat).items()}

@@ -1,0 +1,152 @@
+"""A heterogeneous step equals a single-device step: random strategies on 4 gloo ranks (tp1/tp2/tp4, pp1/pp2,
+mixed), random batches, caps small enough that replicas run several micro-batches in several token buckets,
+GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter). Also the case that
+exposed buckets sharing the model's Parameters: one rank, micro-batches in two buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from dist_util import run_ranks
+from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
+from passes.ir import Strategy
+from passes.variant import TokenBuckets
+
+MODELS = {
+    "gpt": (GPT, GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=256)),
+    "llama": (Llama, LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64)),
+}
+# Every strategy of tp in {1, 2, 4} and pp in {1, 2} that 4 ranks can run.
+STRATEGIES = ["4x(tp1)", "2x(tp2)", "1x(tp4)", "1x(tp2)+2x(tp1)", "2x(tp1,pp2)", "1x(tp1,pp2)+2x(tp1)",
+              "1x(tp2,pp2)", "1x(tp1,pp2)+1x(tp2)"]
+CAP = 24  # tokens per rank: a tp-t replica holds 24 t tokens per micro-batch
+BUCKETS = TokenBuckets(sizes=(8, 16, 24, 32, 48, 64, 96, 128, 192, 256))  # fine: micro-batches land in several
+
+
+def _cap(strategy: str) -> int:
+    """The longest sequence a strategy holds: its widest replica's cap."""
+    return CAP * max(s.tp for s in Strategy.parse(strategy).replicas())
+
+
+def reference_sgd(model, batches, lr):
+    """Plain single-process training: per step the mean next-token loss over the batch, one SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, states = [], []
+    for batch in batches:
+        pairs = sum(len(s) - 1 for s in batch)
+        loss = sum(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum") for s in batch) / pairs
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, states
+
+
+def _make(name: str, seed: int):
+    cls, cfg = MODELS[name]
+    return init_weights_(cls(cfg), seed=seed)
+
+
+def _train(rank, world, cases, lr):
+    """Each case on every rank: its own model and trainer, its forced strategy per step."""
+    import hcompile
+
+    out = []
+    for name, seed, steps in cases:
+        trainer = hcompile.compile(_make(name, seed), loss="causal_lm", optimizer=torch.optim.SGD,
+                                   optimizer_kwargs={"lr": lr}, strategies=sorted({s for s, _ in steps}),
+                                   max_tokens=CAP, buckets=BUCKETS, calibrate=False)
+        results = []
+        for strategy, lens in steps:
+            batch = _batch(name, seed, lens)
+            stats = trainer.train_step(batch, strategy=strategy)
+            plan = trainer.last_plan.plan
+            buckets = [sorted({BUCKETS.bucket_for(sum(plan.seq_lens[i] for i in mb)) for mb in r.micro_batches})
+                       for r in plan.replicas]
+            results.append((stats.loss, stats.strategy, [len(r.micro_batches) for r in plan.replicas], buckets,
+                            trainer.full_state_dict()))
+        out.append(results)
+    return out
+
+
+def _batch(name: str, seed: int, lens: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1000)
+    return [torch.randint(0, MODELS[name][1].vocab, (n,), generator=g) for n in lens]
+
+
+@st.composite
+def cases(draw, name: str):
+    """A model seed and two or three steps, each a strategy and a batch of lengths it can hold."""
+    steps = []
+    for _ in range(draw(st.integers(2, 3))):
+        strategy = draw(st.sampled_from(STRATEGIES))
+        longest = _cap(strategy)
+        lens = draw(st.lists(st.integers(2, longest), min_size=8, max_size=16))
+        steps.append((strategy, lens))
+    return (name, draw(st.integers(0, 2**16)), steps)
+
+
+def _check(results, cases_, lr) -> list[int]:
+    """Every rank's losses and parameters against the reference; per case, how many replica steps ran
+    several micro-batches spread over several buckets."""
+    several = []
+    for case, got in zip(cases_, zip(*results)):  # got: per rank, that case's steps
+        name, seed, steps = case
+        losses, states = reference_sgd(_make(name, seed), [_batch(name, seed, lens) for _, lens in steps], lr)
+        count = 0
+        for step, per_rank in enumerate(zip(*got)):
+            for loss, strategy, micro, buckets, state in per_rank:
+                assert loss == pytest.approx(losses[step], rel=1e-5), (case, step)
+                for n, p in states[step].items():
+                    torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"{case} step {step} {n}")
+            _, _, micro, buckets, _ = per_rank[0]
+            count += sum(m >= 2 and len(b) >= 2 for m, b in zip(micro, buckets))
+        several.append(count)
+    return several
+
+
+# Always run beside the drawn cases. Most sequences are over half a tp1 cap, so a micro-batch holds one of
+# them and its bucket (16 or 24 tokens) follows that sequence's length: every replica has several
+# micro-batches in several buckets.
+FIXED_STEPS = [("1x(tp2)+2x(tp1)", [14, 22, 15, 23, 13, 20, 16, 24, 40, 30, 45, 14, 19, 3, 2]),
+               ("1x(tp1,pp2)+1x(tp2)", [23, 14, 41, 15, 18, 13, 24, 35, 16, 21, 5, 33])]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_strategies_match_single_process_sgd(tmp_path, name, data):
+    drawn = data.draw(st.lists(cases(name), min_size=2, max_size=2), label="cases")
+    lr = 0.3
+    fixed = (name, 7, FIXED_STEPS)
+    results = run_ranks(4, tmp_path, _train, [fixed, *drawn], lr, timeout_s=400)
+    several = _check(results, [fixed, *drawn], lr)
+    assert several[0] >= 3, "the fixed case must run several micro-batches in several buckets"
+
+
+def _one_rank(rank, world):
+    import hcompile
+
+    model = init_weights_(GPT(GPTConfig(block_size=256)), seed=1)
+    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
+                               strategies=["1x(tp1)"], max_tokens=128, calibrate=False)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(0, GPTConfig().vocab, (n,), generator=g) for n in (120, 50)]
+    stats = trainer.train_step(batch)
+    return stats.loss, trainer.last_plan.plan.replicas[0].micro_batches, trainer.full_state_dict(), batch
+
+
+def test_micro_batches_in_two_buckets_on_one_rank(tmp_path):
+    """120 + 50 tokens under a 128-token cap: two micro-batches, buckets 128 and 64, one Parameter copy."""
+    loss, micro, state, batch = run_ranks(1, tmp_path, _one_rank)[0]
+    assert sorted(len(mb) for mb in micro) == [1, 1]
+    losses, states = reference_sgd(init_weights_(GPT(GPTConfig(block_size=256)), seed=1), [batch], 0.5)
+    assert loss == pytest.approx(losses[0], rel=1e-5)
+    for n, p in states[0].items():
+        torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=n)
