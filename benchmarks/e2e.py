@@ -31,7 +31,7 @@ import numpy as np
 
 from hcompile.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
 from hcompile.spawn import RankError, max_local_ranks, run_local_ranks
-from hcompile.train import cpu_cost_model
+from hcompile.train import ANALYSIS_TOKENS, cpu_cost_model
 from passes.cost_model import load_profile_file
 from passes.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
 from passes.ir import CostModel, ParallelScheme, PlanError
@@ -149,7 +149,8 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
         from hcompile.api import CompiledModel
         from hcompile.profile import build_model
 
-        return cpu_cost_model(CompiledModel(build_model(cfg.model)), cfg.ranks, cfg.max_tokens), {"cost": "analytic"}
+        captured = CompiledModel(build_model(cfg.model)).captured(ANALYSIS_TOKENS).graph_module
+        return cpu_cost_model(captured, cfg.model, cfg.ranks, cfg.max_tokens), {"cost": "analytic"}
     if cfg.cost == "profile":
         job = ProfileJob(model=cfg.model, tps=cfg.tps, max_tokens=cfg.max_tokens, gpus=cfg.ranks, seed=cfg.seed)
         report = run_profile(job, show_progress=show_progress)

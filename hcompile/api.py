@@ -40,12 +40,24 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
-    def captured(self, tokens: int) -> Captured:
-        """The forward captured on input (1, tokens), cached."""
-        if tokens not in self._captures:
-            device = next(self.model.parameters()).device
-            self._captures[tokens] = capture(self.model, torch.zeros(1, tokens, dtype=torch.long, device=device))
-        return self._captures[tokens]
+    def captured(self, tokens: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> Captured:
+        """The forward captured on input (1, tokens), cached. ``dtype``/``device``: those of the compute copies
+        that will run it, when they differ from the model's (see :func:`hcompile.capture.capture`)."""
+        key = (tokens, *self._compute(dtype, device))
+        if key not in self._captures:
+            model_device = next(self.model.parameters()).device
+            example_device = key[2] if key[2] is not None else model_device
+            ids = torch.zeros(1, tokens, dtype=torch.long, device=example_device if example_device.type != "meta"
+                              else "cpu")
+            self._captures[key] = capture(self.model, ids, dtype=dtype, device=key[2])
+        return self._captures[key]
+
+    def _compute(self, dtype: torch.dtype | None, device: torch.device | str | None) -> tuple:
+        """(dtype, device) with None for what is the model's own (a capture of it as it is)."""
+        p = next(self.model.parameters())
+        device = None if device is None or torch.device(device) == p.device else torch.device(device)
+        return (None if dtype == p.dtype else dtype), device
 
     def packed_graph(self, tokens: int) -> fx.GraphModule:
         """The packed forward for exactly ``tokens`` tokens: inputs (input_ids (1, T), cu_seqlens, max_seqlen)."""
@@ -67,15 +79,18 @@ class CompiledModel:
         return out[0, :total]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, *, tp_rank: int = 0,
-                tp_group: str | None = None) -> Variant:
-        """The compiled variant for (scheme, stage, bucket) on this rank, built once and cached."""
+                tp_group: str | None = None, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> Variant:
+        """The compiled variant for (scheme, stage, bucket) on this rank, built once and cached; ``dtype`` and
+        ``device`` as in :meth:`captured` (such a variant runs once ``Variant.bind_`` gave it real tensors)."""
         key = VariantKey(scheme=scheme, stage=stage, bucket=bucket)
-        if (key, tp_rank, tp_group) not in self._variants:
-            captured = self.captured(bucket)
-            self._variants[(key, tp_rank, tp_group)] = build_variant(
+        cache = (key, tp_rank, tp_group, *self._compute(dtype, device))
+        if cache not in self._variants:
+            captured = self.captured(bucket, dtype, device)
+            self._variants[cache] = build_variant(
                 captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
                 output_index=captured.output_index, backend=self.backend)
-        return self._variants[(key, tp_rank, tp_group)]
+        return self._variants[cache]
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:

@@ -4,7 +4,9 @@ Owns the recording backend and the normalisation of what dynamo hands it. Dynamo
 buffers to graph inputs; capture turns those placeholders back into ``get_attr`` nodes named by their
 fully qualified names (``h.0.attn.c_attn.weight``) on a GraphModule whose root is the model, so the
 captured graph holds the model's own Parameter objects (gradients land on the model) and takes only the
-user's inputs. Every node keeps dynamo's fake value in ``meta["val"]`` for shape-aware passes.
+user's inputs. Every node keeps dynamo's fake value in ``meta["val"]`` for shape-aware passes. Asked for
+another compute dtype or device than the model's (or given a model on the meta device), capture traces meta
+stand-ins instead and the graph holds meta tensors, to be replaced by the runtime's before it runs.
 
 The capture is full-graph: a model that graph-breaks raises :class:`CaptureError` naming the break.
 ``capture_joint`` runs aot_autograd over a captured graph to get the joint forward/backward graphs.
@@ -12,8 +14,9 @@ The capture is full-graph: a model that graph-breaks raises :class:`CaptureError
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -65,8 +68,38 @@ def _describe_break(exc: Exception) -> str:
     return f"{head} | {' '.join(tail)}" if tail else head
 
 
-def capture(model: nn.Module, *args: torch.Tensor) -> Captured:
-    """Record ``model(*args)`` as one normalised GraphModule; a graph break is a :class:`CaptureError`."""
+def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = None,
+            device: torch.device | str | None = None) -> Captured:
+    """Record ``model(*args)`` as one normalised GraphModule; a graph break is a :class:`CaptureError`.
+
+    ``dtype`` / ``device``: trace as if the floating-point parameters had that dtype and everything lived on
+    that device (what a runtime's compute copies will have). When either differs from the model's, or the
+    model's parameters are on the meta device, the model is traced on meta stand-ins (its own tensors are
+    restored untouched, nothing of its size is allocated): the graph then holds meta tensors and meta device
+    constants, which a runtime replaces with its own tensors and device before running it
+    (``Variant.bind_``)."""
+    params = list(model.parameters())
+    device = torch.device(device) if device is not None else (args[0].device if args else torch.device("cpu"))
+    shadow = (any(p.device.type == "meta" for p in params)
+              or (dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in params))
+              or any(p.device != device for p in params))
+    if not shadow:
+        record, user_out = _trace(model, args)
+        gm, names = _normalise(model, record["gm"], record["inputs"], args)
+    else:
+        with _meta_stand_ins(model, dtype):
+            meta_args = tuple(a.to("meta") for a in args)
+            record, user_out = _trace(model, meta_args)
+            gm, names = _normalise(model, record["gm"], record["inputs"], meta_args, stand_ins=True)
+    return Captured(
+        graph_module=gm,
+        example_inputs=tuple(args),
+        output_index=_output_index(record.get("outputs"), user_out),
+        param_names=names,
+    )
+
+
+def _trace(model: nn.Module, args: Sequence[torch.Tensor]) -> tuple[dict, Any]:
     store: list = []
     compiled = torch.compile(model, backend=_recording_backend(store), fullgraph=True, dynamic=False)
     try:
@@ -80,14 +113,34 @@ def capture(model: nn.Module, *args: torch.Tensor) -> Captured:
         raise CaptureError(f"{type(model).__name__} graph-breaks: {_describe_break(exc)}") from exc
     if not store:
         raise CaptureError(f"{type(model).__name__}: dynamo produced no graph (was the forward already compiled?)")
-    record = store[0]
-    gm, names = _normalise(model, record["gm"], record["inputs"], args)
-    return Captured(
-        graph_module=gm,
-        example_inputs=tuple(args),
-        output_index=_output_index(record.get("outputs"), user_out),
-        param_names=names,
-    )
+    return store[0], user_out
+
+
+@contextlib.contextmanager
+def _meta_stand_ins(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Within the block every parameter is a meta Parameter (floating ones in ``dtype``; a tied parameter stays
+    one object) and every buffer a meta copy; afterwards the model's own tensors are back."""
+    stand_in: dict[int, nn.Parameter] = {}
+    saved = []
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in stand_in:
+                kind = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                stand_in[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=kind, device="meta"),
+                                               requires_grad=p.requires_grad)
+            saved.append((mod._parameters, name, p))
+        for name, buf in mod._buffers.items():
+            if buf is not None:
+                saved.append((mod._buffers, name, buf))
+    try:
+        for table, name, value in saved:
+            table[name] = stand_in[id(value)] if isinstance(value, nn.Parameter) else value.to("meta")
+        yield
+    finally:
+        for table, name, value in saved:
+            table[name] = value
 
 
 def _output_index(graph_outputs: Any, user_out: Any) -> int:
@@ -101,9 +154,10 @@ def _output_index(graph_outputs: Any, user_out: Any) -> int:
 
 
 def _normalise(
-    model: nn.Module, gm: fx.GraphModule, inputs: list, user_args: Sequence[torch.Tensor]
+    model: nn.Module, gm: fx.GraphModule, inputs: list, user_args: Sequence[torch.Tensor], stand_ins: bool = False
 ) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """Placeholders for parameters/buffers become ``get_attr`` on the model; user inputs stay placeholders."""
+    """Placeholders for parameters/buffers become ``get_attr`` on the model; user inputs stay placeholders.
+    ``stand_ins``: the model holds meta stand-ins; the graph keeps copies of them, not the model's Parameters."""
     by_id = {id(t): name for name, t in model.named_buffers(remove_duplicate=True)}
     by_id.update({id(p): name for name, p in model.named_parameters(remove_duplicate=True)})
     user_ids = {id(a) for a in user_args}
@@ -132,7 +186,10 @@ def _normalise(
     for node in graph.nodes:
         if "val" not in node.meta and "example_value" in node.meta:
             node.meta["val"] = node.meta["example_value"]
-    tensors: dict[str, torch.Tensor] = {**dict(model.named_buffers()), **dict(model.named_parameters()), **consts}
+    params = dict(model.named_parameters())
+    if stand_ins:  # the parameters' meta data, in Parameters of their own (the model's come back real)
+        params = {n: nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for n, p in params.items()}
+    tensors: dict[str, torch.Tensor] = {**dict(model.named_buffers()), **params, **consts}
     root = nn.Module()
     for name in [n.target for n in graph.nodes if n.op == "get_attr"]:
         _set_path(root, name, tensors[name])

@@ -231,8 +231,8 @@ class Llama(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T)
         freqs = position_ids[..., None].float() * self.inv_freq  # (B|1, T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B|1, T, hd)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # (B|1, 1, T, hd)
         x = self.embed_tokens(input_ids)
+        cos, sin = emb.cos()[:, None].to(x.dtype), emb.sin()[:, None].to(x.dtype)  # (B|1, 1, T, hd)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
 from hcompile.api import CompiledModel
 from passes.analyze import Hardware, analytic_cost_model, analyze_graph
@@ -115,12 +116,13 @@ class _VariantStage:
             v.bind_(self._params, self._buffer)
 
     def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """One copy per stage of each buffer, on the parameters' device, floats in their dtype."""
+        """One copy per stage of each buffer: the model's own (a stand-in when captured for another dtype or
+        device), on the parameters' device, in its own dtype (the capture traced it in that dtype)."""
         if name not in self._buffers:
+            if value.device.type == "meta":
+                value = self.provider.buffer(name)
             like = next(iter(self._params.values()), None)
-            device = like.device if like is not None else value.device
-            dtype = like.dtype if like is not None and value.is_floating_point() else value.dtype
-            self._buffers[name] = value.to(device=device, dtype=dtype)
+            self._buffers[name] = value.to(device=like.device if like is not None else value.device)
         return self._buffers[name]
 
     def _variant(self, bucket: int) -> Variant:
@@ -147,15 +149,29 @@ class _VariantStage:
 
 class CompiledProvider:
     """Stage programs from a CompiledModel's variants (tensor parallel, packed attention, pipeline split,
-    compiled once per (scheme, stage, TP rank, bucket))."""
+    compiled once per (scheme, stage, TP rank, bucket)), captured for compute copies in ``dtype`` on
+    ``device``."""
 
-    def __init__(self, compiled: CompiledModel, buckets: TokenBuckets):
-        self.compiled, self.buckets = compiled, buckets
-        self.compiled.buckets = buckets
+    def __init__(self, compiled: CompiledModel, buckets: TokenBuckets, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        self.compiled, self.buckets, self.dtype, self.device = compiled, buckets, dtype, device
         self._stages: dict[tuple, _VariantStage] = {}
 
+    def captured(self, tokens: int):
+        """The model captured on (1, tokens) for this provider's compute dtype and device."""
+        return self.compiled.captured(tokens, self.dtype, self.device)
+
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int, group: str | None) -> Variant:
-        return self.compiled.variant(scheme, stage, bucket, tp_rank=tp_rank, tp_group=group)
+        return self.compiled.variant(scheme, stage, bucket, tp_rank=tp_rank, tp_group=group, dtype=self.dtype,
+                                     device=self.device)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The model's own buffer ``name`` (what a captured buffer or constant stands for)."""
+        buffers = dict(self.compiled.model.named_buffers())
+        if name not in buffers:
+            raise KeyError(f"the graph reads {name!r}, which is not a buffer of {type(self.compiled.model).__name__} "
+                           "(a tensor attribute captured as a constant cannot be given a dtype or device)")
+        return buffers[name]
 
     def stage(self, scheme: ParallelScheme, stage: int, tp_rank: int,
               tp_group: dist.ProcessGroup | None) -> _VariantStage:
@@ -175,7 +191,7 @@ class CompiledProvider:
         largest = 0
         for bucket in self.buckets.sizes:
             try:
-                self.compiled.captured(bucket)
+                self.captured(bucket)
             except Exception:
                 if largest == 0:
                     raise
@@ -186,15 +202,15 @@ class CompiledProvider:
         return largest
 
 
-def cpu_cost_model(compiled: CompiledModel, world_size: int, max_tokens: int | None) -> CostModel:
-    """Analytic cost model of the captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
+def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, max_tokens: int | None) -> CostModel:
+    """Analytic cost model of a captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
     pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens
     per micro-batch (1024 per rank when None)."""
-    analysis = analyze_graph(compiled.captured(ANALYSIS_TOKENS).graph_module)
+    analysis = analyze_graph(captured)
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
-    model = analytic_cost_model(analysis, CPU, schemes, name=f"{type(compiled.model).__name__}@cpu")
+    model = analytic_cost_model(analysis, CPU, schemes, name=f"{name}@cpu")
     per_rank = 1024 if max_tokens is None else max_tokens
     return cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
 
@@ -219,16 +235,17 @@ class Trainer:
         self.options, self.dataset = options, dataset
         self.ctx = _context()
         buckets = options.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
-        self.provider = CompiledProvider(compiled, buckets)
-        self.layout = _layout(compiled, self.ctx, init=init, state_dict=state_dict)
-        self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
-        self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.param_dtype = options.param_dtype or (torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32)
         """The compute copies' dtype (the master weights and optimiser state stay fp32)."""
+        self.provider = CompiledProvider(compiled, buckets, self.param_dtype, self.ctx.device)
+        self.layout = _layout(self.provider, self.ctx, init=init, state_dict=state_dict)
+        self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
+        self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider,
                                  take_turns=options.replicas_take_turns, param_dtype=self.param_dtype,
                                  reduce_dtype=options.reduce_dtype)
-        model = cost_model or cpu_cost_model(compiled, self.ctx.world_size, options.max_tokens)
+        model = cost_model or cpu_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
+                                             type(compiled.model).__name__, self.ctx.world_size, options.max_tokens)
         if cost_model is not None and options.max_tokens is not None:
             model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
         capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
@@ -312,14 +329,14 @@ class Trainer:
         return self.layout.full_state_dict()
 
 
-def _layout(compiled: CompiledModel, ctx: DistContext, *, init: Init | None,
+def _layout(provider: CompiledProvider, ctx: DistContext, *, init: Init | None,
             state_dict: Mapping[str, torch.Tensor] | None) -> FixedLayout:
     """The fixed layout of the model's parameters (split dims stored outermost), filled once from what rank 0
     was given: a state dict (streamed to the owners), an initialiser, or else the model's own values."""
     if init is not None and state_dict is not None:
         raise ValueError("pass an initialiser or a state dict, not both")
-    named = dict(compiled.model.named_parameters())
-    dims = split_dims(compiled.captured(ANALYSIS_TOKENS).graph_module)
+    named = dict(provider.compiled.model.named_parameters())
+    dims = split_dims(provider.captured(ANALYSIS_TOKENS).graph_module)
     layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
     source = ["state_dict" if state_dict is not None else "init" if init is not None else "model"]
     if ctx.world_size > 1:

@@ -21,7 +21,8 @@ from passes.pass_runner import PassContext, PassRecord, run_passes
 from passes.pipeline_split import split_pipeline_pass
 from passes.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
 
-__all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter", "pad_to_bucket"]
+__all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter", "pad_to_bucket",
+           "retarget_devices"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +150,9 @@ class Variant:
             for name, value in list(self.graph_module.named_buffers()):
                 owner, leaf = _owner(self.graph_module, name)
                 owner.register_buffer(leaf, buffer(name, value))
+        device = next((p.device for p in params.values()), None)
+        if device is not None and device.type != "meta":
+            retarget_devices(self.graph_module, torch.device("meta"), device)
 
     def grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of this rank's slices, by parameter name."""
@@ -157,6 +161,25 @@ class Variant:
 
 PIPELINE_COST_SEQ_LEN = 2048
 """The sequence length the pipeline split costs attention at, whatever the bucket."""
+
+
+def retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Replace every ``old`` device constant in the graph's arguments (``device=...`` of factory calls that a
+    trace of meta stand-ins baked in) by ``new``."""
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device) and value == old:
+            return new
+        if isinstance(value, str) and value == old.type:
+            return str(new)
+        return value
+
+    changed = False
+    for node in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
