@@ -1,0 +1,94 @@
+"""Parameter and gradient movement on 2 and 4 gloo ranks: every rank receives exactly the elements it computes
+with, owners receive the sum of every rank's gradient of their shard, whatever the chunk size, and the bytes
+counted are those of the slices moved (nothing to itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dist_util import run_ranks
+from runtime.redistribute import Redistribution, Traffic, intersect
+from runtime.stage_params import merge_ranges
+
+NUMEL = 103
+
+
+def _random_needs(seed: int, world: int) -> list[list[tuple[int, int]]]:
+    g = torch.Generator().manual_seed(seed)
+    needs = []
+    for _ in range(world):
+        cuts = sorted(set(torch.randint(0, NUMEL + 1, (6,), generator=g).tolist()) | {0, NUMEL})
+        keep = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a and torch.rand(1, generator=g) < 0.6]
+        needs.append(merge_ranges(keep) or [(0, 1)])
+    return needs
+
+
+def _move(rank, world, needs, chunk, dtype):
+    from runtime.fixed_layout import FixedLayout
+
+    flat = torch.arange(NUMEL, dtype=torch.float32) * 0.5
+    layout = FixedLayout.from_tensors({"w": flat}, rank, world)
+    move = Redistribution.build(layout, needs[rank], chunk_numel=chunk)
+    buf = torch.full((move.numel,), -1.0, dtype=dtype)
+    pulled = move.pull(layout, buf)
+    grads = buf.float() * (rank + 1)  # rank r's gradient: (r + 1) times each element it holds
+    pushed = move.push(layout, grads.to(dtype), reduce_dtype=dtype)
+    return buf.float(), layout.shard.grad.clone(), pulled + pushed, move.local_numel, move.served_numel()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("chunk", [1000, 7])
+def test_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk):
+    needs = _random_needs(world * 31 + chunk, world)
+    results = run_ranks(world, tmp_path, _move, needs, chunk, torch.float32)
+    flat = torch.arange(NUMEL, dtype=torch.float32) * 0.5
+    shard = -(-NUMEL // world)
+    expected_grad = torch.zeros(shard * world)
+    for rank, need in enumerate(needs):
+        for a, b in need:
+            expected_grad[a:b] += flat[a:b] * (rank + 1)
+    for rank, (buf, shard_grad, traffic, local, served) in enumerate(results):
+        want = torch.cat([flat[a:b] for a, b in needs[rank]])
+        assert torch.equal(buf, want), f"rank {rank} pulled other elements"
+        torch.testing.assert_close(shard_grad, expected_grad[rank * shard:(rank + 1) * shard])
+        size = sum(b - a for a, b in needs[rank])
+        assert traffic.params_received == traffic.grads_sent == (size - local) * 4
+        assert traffic.params_sent == traffic.grads_received == served * 4
+        mine = sum(b - a for a, b in intersect(needs[rank], rank * shard, (rank + 1) * shard))
+        assert local == mine
+
+
+def test_bf16_messages_are_half_the_bytes(tmp_path):
+    needs = _random_needs(5, 2)
+    fp32 = run_ranks(2, tmp_path, _move, needs, 1000, torch.float32)
+    bf16 = run_ranks(2, tmp_path, _move, needs, 1000, torch.bfloat16)
+    for (_, g32, t32, _, _), (buf, g16, t16, _, _) in zip(fp32, bf16):
+        assert t16.params_received * 2 == t32.params_received and t16.grads_sent * 2 == t32.grads_sent
+        torch.testing.assert_close(g16, g32, rtol=1e-2, atol=1e-2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 80), max_size=10, unique=True), lo=st.integers(0, 90), width=st.integers(0, 30))
+def test_intersect_keeps_exactly_the_elements_inside(cuts, lo, width):
+    points = sorted(cuts)
+    spans = list(zip(points[::2], points[1::2]))  # disjoint, sorted
+    got = {i for a, b in intersect(spans, lo, lo + width) for i in range(a, b)}
+    want = {i for a, b in spans for i in range(a, b) if lo <= i < lo + width}
+    assert got == want
+
+
+def test_bad_input_is_refused():
+    from runtime.fixed_layout import FixedLayout
+
+    layout = FixedLayout({"w": (10,)}, 0, 2)
+    with pytest.raises(ValueError, match="ranges of all 2 ranks"):
+        Redistribution(layout, [[(0, 3)]])
+    with pytest.raises(ValueError, match="chunk_numel must be positive"):
+        Redistribution(layout, [[(0, 3)], [(3, 4)]], chunk_numel=0)
+    with pytest.raises(ValueError, match="overlapping ranges"):
+        merge_ranges([(0, 5), (3, 6)])
+    assert merge_ranges([(4, 6), (0, 2), (2, 4)]) == [(0, 6)]
+    assert Traffic(params_sent=1) + Traffic(grads_sent=2) == Traffic(params_sent=1, grads_sent=2)

@@ -1,0 +1,63 @@
+"""A stage's compute copy: Parameters viewing one flat buffer in the layout's order, gradients of every call
+accumulated into one flat gradient buffer, factors for replicated slices, storage only while in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.fixed_layout import FixedLayout, ParamSlice, full_slice
+from runtime.stage_params import StageParams
+
+SHAPES = {"a": (4, 3), "b": (3, 4), "n": (3,)}
+
+
+def _slices():
+    return {"a": ParamSlice(name="a", full_shape=(4, 3), dim=0, ranges=((2, 4),)),
+            "b": ParamSlice(name="b", full_shape=(3, 4), dim=1, ranges=((0, 2),)),
+            "n": full_slice("n", (3,))}
+
+
+def test_parameters_view_the_flat_buffer_in_layout_order():
+    layout = FixedLayout(SHAPES, 0, 1, split_dims={"a": 0, "b": 1})
+    params = StageParams(layout, _slices(), tp=2)
+    assert params.numel == 6 + 6 + 3
+    assert params.ranges == [(6, 18), (24, 27)]  # a rows 2..4 and b (stored (4, 3)) rows 0..2 touch: joined; n
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    layout.fill_from(full)
+    flat = params.materialize()
+    flat.copy_(torch.cat([layout.shard.detach()[a:b] for a, b in params.ranges]))
+    for name, slc in _slices().items():
+        assert torch.equal(params.params[name], slc.take(full[name])), name
+        assert params.params[name].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def test_gradients_of_every_call_accumulate_once_with_factors():
+    layout = FixedLayout(SHAPES, 0, 1, split_dims={"a": 0, "b": 1})
+    params = StageParams(layout, _slices(), tp=2)
+    params.materialize()
+    params.fill_from({n: torch.ones(s) for n, s in SHAPES.items()})
+    params.zero_grads()
+    x = torch.ones(5, 3)
+    for _ in range(3):  # three micro-batches (any buckets): one gradient buffer
+        (F.linear(x, params.params["a"]).sum() + (params.params["b"] * 2).sum() + params.params["n"].sum()).backward()
+    grads = params.weighted_grads()
+    a, b, n = grads[:6], grads[6:12], grads[12:]
+    assert torch.equal(a, torch.full((6,), 15.0))  # d/dW sum(x W^T) = 5 per element, three times
+    assert torch.equal(b, torch.full((6,), 6.0))
+    assert torch.equal(n, torch.full((3,), 1.5))  # replicated on tp=2 ranks: counts half on each
+    params.release()
+    assert params.flat is None and params.grad_flat is None
+    assert all(p.numel() == 0 and p.grad is None for p in params.params.values())
+
+
+def test_bf16_copies_and_errors():
+    layout = FixedLayout(SHAPES, 0, 1)
+    params = StageParams(layout, _slices(), tp=2, dtype=torch.bfloat16)
+    assert params.materialize().dtype == torch.bfloat16 and params.nbytes == 15 * 2
+    with pytest.raises(RuntimeError, match="zero_grads"):
+        StageParams(layout, _slices(), tp=2).weighted_grads()
+    with pytest.raises(KeyError, match="'zzz'"):
+        StageParams(layout, {"zzz": full_slice("zzz", (2,))}, tp=1)
