@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from passes.cost_model import PRESET_HARDWARE, PRESET_MODELS
+from passes.cost_model import MEMORY_MODELS, PRESET_HARDWARE, PRESET_MODELS
 from passes.datasets import PRESET_DATASETS
 from passes.ir import PlanError
 from passes.plan_policies import POLICIES
@@ -45,6 +45,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help=f"a policy to run, repeatable (default: all of {', '.join(POLICIES)})")
     p.add_argument("--optimizer-layout", help="the fixed optimiser layout, e.g. '4x(tp16)' (default: the "
                                               "homogeneous strategy sized for the longest sequence)")
+    p.add_argument("--memory-model", choices=MEMORY_MODELS, default="hcompile",
+                   help="whose memory bounds the micro-batches: hcompile (this runtime: states sharded over all GPUs, "
+                        "compute copies, transfer chunks; the optimiser layout only sets the GPU count) or paper "
+                        "(the profiled runtime's, sharded by the layout) (default hcompile)")
     p.add_argument("--plans-out", help="write one JSON line per (step, policy) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -88,7 +92,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     job = PlanJob(model=args.model, hardware=args.hardware, gpus=args.gpus, dataset=args.dataset,
                   global_tokens=args.global_tokens, steps=args.steps, seed=args.seed,
                   policies=tuple(args.policies or POLICIES), lengths_file=args.lengths_file,
-                  optimizer_layout=args.optimizer_layout, profile_file=args.profile_file)
+                  optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
+                  memory_model=args.memory_model)
     report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)
     if args.json:
         print(json.dumps(report.to_json()))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hcompile.models import Llama, LlamaConfig, init_weights_
-from passes.cost_model import MIB, Profile, max_tokens_for, state_bytes
+from passes.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_for, state_bytes
 from passes.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
 from passes.variant import TokenBuckets
 
@@ -282,7 +282,7 @@ class ProfileReport:
         probe = Profile.from_dict(draft)
         layout = Strategy.homogeneous(smallest.scheme, self.job.gpus)
         tokens = self.job.max_tokens * smallest.scheme.tp + 0.5
-        bound = state_bytes(probe, smallest.scheme, layout) + tokens * smallest.act_bytes_per_token
+        bound = state_bytes(probe, smallest.scheme, layout, HCOMPILE_RUNTIME) + tokens * smallest.act_bytes_per_token
         return memory, bound / MIB
 
     def _dict(self, memory: dict, bound_mib: float) -> dict:
@@ -308,7 +308,7 @@ class ProfileReport:
         layout = self.layout()
         probe = Profile.from_dict(data)
         for entry, f in zip(data["schemes"], self.fits):
-            entry["max_tokens"] = max_tokens_for(probe, f.scheme, layout)
+            entry["max_tokens"] = max_tokens_for(probe, f.scheme, layout, HCOMPILE_RUNTIME)
         data["max_tokens_per_rank"] = self.job.max_tokens
         data["measurements"] = [{"tp": f.scheme.tp, "seq_lens": list(lens), "ms": round(ms, 3), "held_out": h}
                                 for f in self.fits for lens, ms, h in f.points]

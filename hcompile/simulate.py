@@ -13,8 +13,8 @@ from typing import Callable
 
 import numpy as np
 
-from passes.cost_model import (build_cost_model, default_optimizer_layout, load_profile, load_profile_file,
-                               Profile)
+from passes.cost_model import (HCOMPILE_RUNTIME, MEMORY_MODELS, Profile, build_cost_model, default_optimizer_layout,
+                               load_profile, load_profile_file)
 from passes.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
 from passes.ir import CostModel, PlanError, StepPlan, Strategy
 from passes.plan_policies import POLICIES, Planner, sized_homogeneous
@@ -51,8 +51,13 @@ class PlanJob:
     """The fixed optimiser layout; default: the homogeneous strategy sized for the data's longest sequence."""
     profile_file: str | None = None
     """A profile JSON (``hcompile profile`` output) instead of the preset."""
+    memory_model: str = "hcompile"
+    """Whose memory the schemes' longest micro-batches are computed for: ``hcompile`` (this project's runtime:
+    states sharded over all GPUs, compute copies, transfer chunks) or ``paper`` (the profiled runtime)."""
 
     def __post_init__(self) -> None:
+        if self.memory_model not in MEMORY_MODELS:
+            raise PlanError(f"unknown memory model {self.memory_model!r}; known: {', '.join(MEMORY_MODELS)}")
         for name in ("gpus", "global_tokens", "steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +118,8 @@ class PlanReport:
             "global_tokens": self.job.global_tokens,
             "steps": len(self.lower_bound_ms),
             "seed": self.job.seed,
+            "memory_model": self.job.memory_model,
+            "max_tokens": {e.scheme.describe(): e.max_tokens for e in self.cost_model.entries},
             "pool": [s.describe() for s in self.pool],
             "fixed_strategy": self.fixed.describe(),
             "lower_bound_ms_mean": round(float(np.mean(self.lower_bound_ms)), 3),
@@ -147,14 +154,15 @@ def _profile(job: PlanJob) -> Profile:
 def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
     """Everything before the steps: cost model under the layout, pool, fixed strategy and batches."""
     profile = _profile(job)
+    runtime = HCOMPILE_RUNTIME if job.memory_model == "hcompile" else None
     dataset, exact = _load_data(job)
     if job.optimizer_layout is not None:
         layout = Strategy.parse(job.optimizer_layout)
         if layout.gpus != job.gpus or not layout.is_homogeneous:
             raise PlanError(f"optimizer layout {layout.describe()} must be homogeneous over {job.gpus} GPUs")
     else:
-        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len)
-    cost_model = build_cost_model(profile, layout)
+        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len, runtime)
+    cost_model = build_cost_model(profile, layout, runtime)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)

@@ -19,6 +19,7 @@ from torch import fx
 
 from hcompile.api import CompiledModel
 from passes.analyze import Hardware, analytic_cost_model, analyze_graph
+from passes.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
 from passes.datasets import LengthDataset
 from passes.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
 from passes.plan_policies import POLICIES, Planner, sized_homogeneous
@@ -202,15 +203,16 @@ class CompiledProvider:
         return largest
 
 
-def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, max_tokens: int | None) -> CostModel:
+def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, max_tokens: int | None,
+                   runtime: RuntimeMemory = HCOMPILE_RUNTIME) -> CostModel:
     """Analytic cost model of a captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
     pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens
-    per micro-batch (1024 per rank when None)."""
+    per micro-batch (1024 per rank when None) and by the memory ``runtime`` leaves."""
     analysis = analyze_graph(captured)
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
-    model = analytic_cost_model(analysis, CPU, schemes, name=f"{name}@cpu")
+    model = analytic_cost_model(analysis, CPU, schemes, name=f"{name}@cpu", world_size=world_size, runtime=runtime)
     per_rank = 1024 if max_tokens is None else max_tokens
     return cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
 
@@ -244,8 +246,11 @@ class Trainer:
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider,
                                  take_turns=options.replicas_take_turns, param_dtype=self.param_dtype,
                                  reduce_dtype=options.reduce_dtype)
+        memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
+                                  chunk_numel=self.executor.chunk_numel)
         model = cost_model or cpu_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
-                                             type(compiled.model).__name__, self.ctx.world_size, options.max_tokens)
+                                             type(compiled.model).__name__, self.ctx.world_size, options.max_tokens,
+                                             memory)
         if cost_model is not None and options.max_tokens is not None:
             model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
         capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
@@ -362,6 +367,10 @@ def _dry_plan(strategy: Strategy, lens: list[int], cluster: Cluster) -> StepPlan
         replicas.append(ReplicaPlan(scheme=scheme, ranks=ranks, micro_batches=micro, max_tokens=max(n, 1), est_ms=0.0))
     return StepPlan(strategy=strategy, seq_lens=tuple(seq_lens), replicas=tuple(replicas), est_step_ms=0.0,
                     lower_bound_ms=0.0, policy="warm-up")
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _check_batch(batch: Sequence[torch.Tensor]) -> list[int]:

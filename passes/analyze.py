@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from passes.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.ir import CostModel, ParallelScheme, SchemeCost
 
 __all__ = [
@@ -289,8 +290,6 @@ class Hardware:
     """Intra-node all-reduce bus bandwidth, GB/s."""
     activation_bytes: float = 36.0
     """Activation bytes kept per (token x hidden x layer) per TP rank."""
-    state_bytes_per_param: float = 16.0
-    """Weights, gradients and optimiser states per parameter (mixed precision Adam)."""
     dtype_bytes: int = 2
     """Bytes of one activation element on the wire."""
     fixed_ms_per_layer: float = 1.5
@@ -300,7 +299,7 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "linear_efficiency", "attention_efficiency", "memory_gib", "link_gbps",
-                     "activation_bytes", "state_bytes_per_param"):
+                     "activation_bytes"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"hardware {name} must be a finite number > 0, got {value!r}")
@@ -313,7 +312,8 @@ class Hardware:
         return cls(name="a800-80g", peak_tflops=312.0)
 
 
-def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme) -> SchemeCost:
+def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme, world_size: int,
+                 runtime: RuntimeMemory) -> SchemeCost:
     gpus = scheme.tp * scheme.pp
     flops_ms = hw.peak_tflops * 1e12 / 1e3  # FLOPs per ms
     layers, hidden = max(an.layers, 1), max(an.hidden, 1)
@@ -323,7 +323,8 @@ def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme) -> Sch
     b += 4.0 * layers / scheme.pp * ring * hidden * hw.dtype_bytes / (hw.link_gbps * 1e9 / 1e3)
     a = 3.0 * an.attention_flops_per_seq_sq / gpus / (flops_ms * hw.attention_efficiency)
     c = hw.fixed_ms_per_layer * layers / scheme.pp
-    states = an.param_count * hw.state_bytes_per_param / gpus
+    states = (an.param_count * runtime.sharded_bytes / world_size + an.param_count / gpus * runtime.compute_bytes
+              + runtime.buffer_bytes)
     free = (hw.memory_gib - hw.reserved_gib) * 2**30 - states
     per_token = layers * hidden / scheme.tp * hw.activation_bytes
     max_tokens = max(0, int(free // per_token) // 128 * 128) if free > 0 else 0
@@ -331,13 +332,17 @@ def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme) -> Sch
 
 
 def analytic_cost_model(
-    analysis: GraphAnalysis, hardware: Hardware, schemes: Sequence[ParallelScheme], *, name: str | None = None
+    analysis: GraphAnalysis, hardware: Hardware, schemes: Sequence[ParallelScheme], *, name: str | None = None,
+    world_size: int | None = None, runtime: RuntimeMemory = HCOMPILE_RUNTIME,
 ) -> CostModel:
-    """A :class:`CostModel` from FLOP counts and hardware peaks: ``T(s) = a s^2 + b s + c`` per stage."""
+    """A :class:`CostModel` from FLOP counts and hardware peaks: ``T(s) = a s^2 + b s + c`` per stage; each
+    scheme's ``max_tokens`` from the memory left beside ``runtime``'s states on a job of ``world_size`` GPUs
+    (default: the largest scheme's)."""
     if not schemes:
         raise ValueError("analytic_cost_model needs at least one scheme, got none")
+    world = world_size or max(s.gpus for s in schemes)
     return CostModel(
         name=name or f"analytic@{hardware.name}",
-        entries=tuple(_scheme_cost(analysis, hardware, s) for s in schemes),
+        entries=tuple(_scheme_cost(analysis, hardware, s, world, runtime) for s in schemes),
         gpus_per_node=hardware.gpus_per_node,
     )

@@ -1,10 +1,16 @@
 """Cost-model presets: measured profiles (time coefficients and memory constants) and the memory model
 that turns a profile plus an optimiser layout into a ``CostModel`` with ``max_tokens`` per scheme.
 
-Memory model (DESIGN.md section 9): ``M(S) = L*S*(H/tp)*A_tp + M_states + reserved`` with
+Memory model: ``M(S) = L*S*(H/tp)*A_tp + M_states + reserved``; the longest sequence is
+``(bound - safety - M_states - reserved) / (L*(H/tp)*A_tp)`` rounded down to 128. ``M_states`` comes in two
+forms. The profiled runtime's (the paper's, which the profiles were measured under):
 ``M_states = (L/os_pp)(H^2/os_tp)*B*alpha/os_dp + (L/pp)(H^2/tp)*B*(1-alpha)
-+ (H*V/os_tp)*e(os_pp)*alpha/os_dp + (H*V/tp)*e(pp)*(1-alpha)``, ``e(p) = 32 if p == 1 else 16``;
-the longest sequence is ``(bound - safety - M_states - reserved) / (L*(H/tp)*A_tp)`` rounded down to 128.
++ (H*V/os_tp)*e(os_pp)*alpha/os_dp + (H*V/tp)*e(pp)*(1-alpha)``, ``e(p) = 32 if p == 1 else 16``
+(16 bytes per parameter: B is 16 bytes times the parameters per H^2 per layer, e(p) 16 bytes times the
+H x V matrices on a stage). This project's runtime (:data:`HCOMPILE_RUNTIME`): every parameter's fp32 master
+weight, optimiser state and shard gradient sharded flat over all GPUs, plus the rank's compute copy (its TP
+slice of its stage, parameter and gradient in the compute dtype), plus one send and one receive chunk of the
+redistribution.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ __all__ = [
     "max_tokens_for",
     "build_cost_model",
     "default_optimizer_layout",
+    "RuntimeMemory",
+    "hcompile_runtime",
+    "HCOMPILE_RUNTIME",
+    "MEMORY_MODELS",
 ]
 
 MIB = 2**20
@@ -36,6 +46,48 @@ TOKEN_ROUNDING = 128
 PRESET_MODELS = ("llama-7b", "llama-13b", "llama-32b")
 PRESET_HARDWARE = ("a800-80g",)
 _PROFILE_FILES = {"a800-80g": "a800-{model}.json"}
+
+
+PROFILED_BYTES_PER_PARAM = 16.0
+"""What the profiled runtime keeps per parameter (fp32 master and Adam moments, the ``alpha`` = 0.75 that its
+optimiser layout shards; bf16 parameter and gradient per compute copy): B / 16 is parameters per H^2 per layer."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeMemory:
+    """What a training runtime keeps on one GPU besides activations, per parameter and fixed."""
+
+    name: str
+    """Short name (``hcompile``)."""
+    sharded_bytes: float
+    """Bytes per parameter sharded flat over every GPU of the job (master weights, optimiser state, the
+    shard's gradient)."""
+    compute_bytes: float
+    """Bytes per parameter of the rank's compute copy, its TP slice of its pipeline stage (the parameter and
+    its gradient in the compute dtype)."""
+    buffer_bytes: float = 0.0
+    """Fixed bytes of transfer buffers."""
+
+    def __post_init__(self) -> None:
+        for name in ("sharded_bytes", "compute_bytes", "buffer_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise PlanError(f"runtime memory {name} must be a finite number >= 0, got {value!r}")
+
+
+def hcompile_runtime(param_bytes: int = 2, reduce_bytes: int = 4, optimizer_bytes: int = 8,
+                     chunk_numel: int = 1 << 24) -> RuntimeMemory:
+    """This project's runtime: fp32 master (4), optimiser state (``optimizer_bytes``, 8 for Adam) and the fp32
+    shard gradient (4) per parameter over all GPUs; the compute copy's parameter and gradient in the compute
+    dtype (``param_bytes`` each); one send and one receive chunk of ``chunk_numel`` elements."""
+    return RuntimeMemory(name="hcompile", sharded_bytes=4 + optimizer_bytes + 4, compute_bytes=2 * param_bytes,
+                         buffer_bytes=2 * chunk_numel * max(param_bytes, reduce_bytes))
+
+
+HCOMPILE_RUNTIME = hcompile_runtime()
+"""bf16 compute copies, fp32 gradient reduction, Adam, 16M-element chunks."""
+MEMORY_MODELS = ("hcompile", "paper")
+"""``hcompile``: :data:`HCOMPILE_RUNTIME`; ``paper``: the profiled runtime's model."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,14 +195,21 @@ def _embedding_factor(pp: int) -> int:
     return 32 if pp == 1 else 16
 
 
-def state_bytes(profile: Profile, scheme: ParallelScheme, layout: Strategy) -> float:
-    """M_states of ``scheme`` on one GPU when the optimiser layout is the homogeneous ``layout``."""
+def state_bytes(profile: Profile, scheme: ParallelScheme, layout: Strategy,
+                runtime: RuntimeMemory | None = None) -> float:
+    """M_states of ``scheme`` on one GPU when the optimiser layout is the homogeneous ``layout``: the profiled
+    runtime's when ``runtime`` is None, else ``runtime``'s (which shards flat over ``layout.gpus``)."""
     if not layout.is_homogeneous:
         raise PlanError(f"the optimiser layout must be homogeneous, got {layout.describe()}")
     os_scheme, os_dp = layout.parts[0]
     L, H, V = profile.layers, profile.hidden, profile.vocab
     B, alpha = profile.state_bytes_per_h2_layer, profile.shardable_fraction
     tp, pp = scheme.tp, scheme.pp
+    if runtime is not None:
+        per_h2 = B / PROFILED_BYTES_PER_PARAM  # parameters per H^2 per layer
+        total = L * H * H * per_h2 + 2 * H * V
+        on_stage = (L / pp) * (H * H / tp) * per_h2 + (H * V / tp) * _embedding_factor(pp) / PROFILED_BYTES_PER_PARAM
+        return total * runtime.sharded_bytes / layout.gpus + on_stage * runtime.compute_bytes + runtime.buffer_bytes
     return (
         (L / os_scheme.pp) * (H * H / os_scheme.tp) * B * alpha / os_dp
         + (L / pp) * (H * H / tp) * B * (1 - alpha)
@@ -159,30 +218,35 @@ def state_bytes(profile: Profile, scheme: ParallelScheme, layout: Strategy) -> f
     )
 
 
-def max_tokens_for(profile: Profile, scheme: ParallelScheme, layout: Strategy) -> int:
-    """Longest micro-batch (tokens, multiple of 128, 0 when nothing fits) of ``scheme`` under ``layout``."""
+def max_tokens_for(profile: Profile, scheme: ParallelScheme, layout: Strategy,
+                   runtime: RuntimeMemory | None = None) -> int:
+    """Longest micro-batch (tokens, multiple of 128, 0 when nothing fits) of ``scheme`` under ``layout``
+    (``runtime`` as in :func:`state_bytes`)."""
     free = (
         profile.memory_bound_mib * MIB
         - profile.safety_gib * GIB
         - profile.reserved_mib * MIB
-        - state_bytes(profile, scheme, layout)
+        - state_bytes(profile, scheme, layout, runtime)
     )
     per_token = profile.layers * (profile.hidden / scheme.tp) * profile.activation_bytes_for(scheme.tp) / scheme.cp
     tokens = int(math.floor(free / per_token / TOKEN_ROUNDING)) * TOKEN_ROUNDING
     return max(tokens, 0)
 
 
-def build_cost_model(profile: Profile, optimizer_layout: Strategy) -> CostModel:
-    """Every profiled scheme with its coefficients and its ``max_tokens`` under ``optimizer_layout``."""
+def build_cost_model(profile: Profile, optimizer_layout: Strategy, runtime: RuntimeMemory | None = None) -> CostModel:
+    """Every profiled scheme with its coefficients and its ``max_tokens`` under ``optimizer_layout``
+    (``runtime`` as in :func:`state_bytes`)."""
     entries = tuple(
-        SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens_for(profile, s, optimizer_layout))
+        SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens_for(profile, s, optimizer_layout, runtime))
         for s, a, b, c in profile.coefficients
     )
-    return CostModel(name=f"{profile.name} layout {optimizer_layout.describe()}", entries=entries,
+    memory = "" if runtime is None else f" {runtime.name} memory"
+    return CostModel(name=f"{profile.name} layout {optimizer_layout.describe()}{memory}", entries=entries,
                      gpus_per_node=profile.gpus_per_node)
 
 
-def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int) -> Strategy:
+def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int,
+                             runtime: RuntimeMemory | None = None) -> Strategy:
     """The homogeneous strategy sized for ``longest_seq``: the fewest GPUs per replica whose scheme holds it
     under its own layout (ties: fewer pipeline stages). ``4x(tp16,pp1)`` for llama-32b on 64 GPUs."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -192,7 +256,7 @@ def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int) -> S
         if gpus % scheme.gpus or not group_aligns(scheme.tp * scheme.cp, profile.gpus_per_node):
             continue
         layout = Strategy.homogeneous(scheme, gpus)
-        tokens = max_tokens_for(profile, scheme, layout)
+        tokens = max_tokens_for(profile, scheme, layout, runtime)
         supported.append(tokens)
         if tokens >= longest_seq:
             candidates.append((scheme.gpus, scheme.pp, scheme.cp, -scheme.tp, layout))

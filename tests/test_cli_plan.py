@@ -14,14 +14,20 @@ FAST = ["--gpus", "64", "--global-tokens", "40000", "--steps", "2"]
 def test_json_summary_has_every_field(capsys):
     assert main(["plan", *FAST, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("model", "hardware", "gpus", "dataset", "global_tokens", "steps", "seed", "pool",
-                "lower_bound_ms_mean", "policies"):
+    for key in ("model", "hardware", "gpus", "dataset", "global_tokens", "steps", "seed", "memory_model",
+                "max_tokens", "pool", "lower_bound_ms_mean", "policies"):
         assert key in out
+    assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 41728
     assert set(out["policies"]) == {"padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step",
                                     "hydraulis"}
     for numbers in out["policies"].values():
         assert set(numbers) == {"est_step_ms_mean", "tokens_per_s", "solve_ms_p50", "solve_ms_p95"}
         assert numbers["est_step_ms_mean"] >= out["lower_bound_ms_mean"] * (1 - 1e-9)
+
+
+def test_paper_memory_model(capsys):
+    assert main(["plan", *FAST, "--json", "--memory-model", "paper"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_tokens"]["(tp16,pp1)"] == 43520
 
 
 def test_table_and_plans_out(tmp_path, capsys):

@@ -5,8 +5,8 @@ from importlib import resources
 
 import pytest
 
-from passes.cost_model import (build_cost_model, default_optimizer_layout, load_profile, load_profile_file,
-                               max_tokens_for, state_bytes)
+from passes.cost_model import (HCOMPILE_RUNTIME, RuntimeMemory, build_cost_model, default_optimizer_layout,
+                               hcompile_runtime, load_profile, load_profile_file, max_tokens_for, state_bytes)
 from passes.ir import ParallelScheme, PlanError, Strategy
 
 P32 = load_profile("llama-32b")
@@ -25,6 +25,35 @@ def test_state_bytes_hand_computed():
     expected = ((L / 1) * (H * H / 16) * B * alpha / 4 + (L / 1) * (H * H / 4) * B * (1 - alpha)
                 + (H * V / 16) * 32 * alpha / 4 + (H * V / 4) * 32 * (1 - alpha))
     assert state_bytes(P32, ParallelScheme(tp=4), LAYOUT_32B_64) == pytest.approx(expected)
+
+
+def test_hcompile_runtime_state_bytes_hand_computed():
+    """This runtime: 16 bytes per parameter (fp32 master, Adam m and v, fp32 shard gradient) over all 64 GPUs,
+    the rank's bf16 parameter and gradient of its slice, one send and one receive chunk of 16M fp32."""
+    L, H, V, B = 60, 6656, 30592, 201
+    per_h2 = B / 16  # the profiled runtime keeps 16 bytes per parameter
+    total = L * H * H * per_h2 + 2 * H * V
+    tp4 = (L * H * H * per_h2 + 2 * H * V) / 4  # one stage: every layer, embedding and head
+    assert state_bytes(P32, ParallelScheme(tp=4), LAYOUT_32B_64, HCOMPILE_RUNTIME) == pytest.approx(
+        total * 16 / 64 + tp4 * (2 + 2) + 2 * 2**24 * 4)
+    stage = (L / 2) * H * H * per_h2 / 8 + H * V / 8  # (tp8, pp2): half the layers, one H x V matrix
+    assert state_bytes(P32, ParallelScheme(tp=8, pp=2), LAYOUT_32B_64, HCOMPILE_RUNTIME) == pytest.approx(
+        total * 16 / 64 + stage * 4 + 2 * 2**24 * 4)
+
+
+@pytest.mark.parametrize("tp,expected", [(16, 41728), (8, 20736), (4, 7168)])
+def test_hcompile_runtime_longest_sequences(tp, expected):
+    """A quarter more sharded state and the transfer chunks: a little shorter than the paper's runtime holds."""
+    got = max_tokens_for(P32, ParallelScheme(tp=tp), LAYOUT_32B_64, HCOMPILE_RUNTIME)
+    assert got == expected < max_tokens_for(P32, ParallelScheme(tp=tp), LAYOUT_32B_64)
+    assert "hcompile memory" in build_cost_model(P32, LAYOUT_32B_64, HCOMPILE_RUNTIME).name
+
+
+def test_runtime_memory_values():
+    fp32 = hcompile_runtime(param_bytes=4, reduce_bytes=4, optimizer_bytes=0, chunk_numel=10)
+    assert (fp32.sharded_bytes, fp32.compute_bytes, fp32.buffer_bytes) == (8, 8, 80)
+    with pytest.raises(PlanError, match="sharded_bytes must be a finite number >= 0, got -1"):
+        RuntimeMemory(name="x", sharded_bytes=-1, compute_bytes=0)
 
 
 def test_4k_sequence_gpu_ms_asymmetry():
