@@ -107,8 +107,10 @@ def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: s
 
     ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
     ``backend``: the torch.compile backend of the variants. With training options (``loss``, ``optimizer``,
-    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``calibrate``, ``cost_model``,
-    ``dataset``, ``cluster``; see ``hcompile.train.TrainOptions``) it returns a ``hcompile.train.Trainer`` whose ``train_step(batch)`` trains on every rank."""
+    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``calibrate``, ``param_dtype``,
+    ``reduce_dtype``; see ``hcompile.train.TrainOptions``; and ``cost_model``, ``dataset``, ``cluster``,
+    ``init``, ``state_dict``; see ``hcompile.train.Trainer``) it returns a ``hcompile.train.Trainer`` whose
+    ``train_step(batch)`` trains on every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
     compiled = CompiledModel(model, buckets=buckets, backend=backend)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,9 @@ class Executor:
         """This rank's CPU clock; background threads (planning) register with it so busy times leave them out."""
         self._params: dict[int, tuple[StageProgram, StageParams]] = {}
         self._moves: dict[Strategy, Redistribution] = {}
+        self.on_phase: Callable[[str], None] | None = None
+        """Called with ``pull``, ``compute``, ``push``, ``optimizer`` and ``end`` as a step enters each phase
+        (instrumentation: memory and time per phase)."""
 
     def stage_params(self, program: StageProgram, scheme: ParallelScheme) -> StageParams:
         """The compute copy of ``program``'s slices (made and bound once per program)."""
@@ -143,9 +146,11 @@ class Executor:
         program = self.provider.stage(scheme, stage, tp_rank, tp_group)
         params = self.stage_params(program, scheme)
         move = self.redistribution(plan.strategy, params)
+        self._phase("pull")
         with record_function("hydraulis.pull_params"):
             traffic = move.pull(self.layout, params.materialize())
         params.zero_grads()
+        self._phase("compute")
         pairs = global_pair_count(plan.seq_lens)
         turns = len(plan.replicas) if self.take_turns else 0
         for _ in range(min(replica, turns)):  # earlier replicas' turns
@@ -164,12 +169,15 @@ class Executor:
         counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else 0.0
         params.release_data()  # backward is done: only the gradients are still needed
         if not dry_run:
+            self._phase("push")
             with record_function("hydraulis.push_grads"):
                 traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
             params.release()
+            self._phase("optimizer")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         params.release()
+        self._phase("end")
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)
         summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64, device=self.ctx.device)
         gathered = [torch.zeros_like(summary) for _ in range(self.ctx.world_size)]
@@ -181,6 +189,14 @@ class Executor:
             traffic=traffic, tokens_per_rank=tuple(int(g[2]) for g in gathered),
             compute_thread_ms=tuple(float(g[3]) for g in gathered),
         )
+
+    def _phase(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
+
+    def redistribution_of(self, strategy: Strategy) -> Redistribution | None:
+        """The movement plan of ``strategy`` once a step has run it (None before)."""
+        return self._moves.get(strategy)
 
     @staticmethod
     def _run_local(program: StageProgram, micro: list, pairs: int) -> float:

@@ -93,6 +93,8 @@ class Redistribution:
         self.rank, self.world_size, self.chunk = layout.rank, layout.world_size, chunk_numel
         lo, hi = layout.owner_range(self.rank)
         mine = needs[self.rank]
+        self.ranges: Ranges = list(mine)
+        """The flat ranges this rank computes with, in order."""
         self.numel = _size(mine)
         """Elements this rank computes with."""
         self.segments: list[tuple[int, int]] = []

@@ -1,0 +1,252 @@
+"""``python -m benchmarks.memory``: what the runtime moves and holds per rank per step, against the ideal.
+
+A LLaMA of 52.5M parameters (14 layers, hidden 512, SwiGLU 1536, 8 heads, 4 kv heads, vocab 8192), built on
+the meta device and initialised per parameter, trains on 4 local gloo ranks under 4x(tp1), 2x(tp2), 1x(tp4)
+and 1x(tp2,pp2) (SGD, fp32, a small batch so that activations stay small). For one measured step of each,
+per rank:
+
+- bytes received and sent (the runtime's own counters), against the ideal: the bytes of the slices the rank
+  computes with that its own shard does not hold (parameters in, gradients out), plus the parts of its shard
+  that the other ranks compute with (parameters out, gradients in);
+- the peak of live tensor bytes (every tensor an op allocates during the step, tracked until it is freed,
+  plus the rank's fp32 shard), over the whole step and over the parameter-movement phases alone (pull,
+  compute start, push: no activations then), against the target 1.5 x ideal + shard, where ideal is the
+  rank's parameter and gradient slices and shard its master shard and shard gradient.
+
+"before" is the previous runtime's movement re-enacted on the same layout by the same meters: every rank
+all-gathers the whole fp32 vector, copies its slices from it, and all-reduces a full-size gradient buffer.
+Prints a table; ``--json`` prints one JSON object; every row is appended, stamped, to
+``results/memory.jsonl``. ``--smoke``: a tiny model, two strategies (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hcompile.models import LlamaConfig
+
+MODEL = LlamaConfig(vocab=8192, layers=14, hidden=512, ffn_hidden=1536, heads=8, kv_heads=4)
+SMOKE_MODEL = LlamaConfig(vocab=256, layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2)
+STRATEGIES = ("4x(tp1)", "2x(tp2)", "1x(tp4)", "1x(tp2,pp2)")
+SMOKE_STRATEGIES = ("4x(tp1)", "1x(tp2,pp2)")
+MOVEMENT_PHASES = ("pull", "push")
+"""Phases without activations: the peak over them and the start of the compute phase (the gradient buffer
+exists, no forward has run) is the parameter, gradient and buffer peak."""
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live tensor bytes on this rank: every storage an op returns, from its allocation until it is freed,
+    plus ``base`` bytes that existed before; the peak per phase. Compiled variants run under it as compiled
+    (the compiler's own work is not counted)."""
+
+    def __init__(self, base: int) -> None:
+        super().__init__()
+        self.current = self.base = base
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self.at_start: dict[str, int] = {}
+        self._live: dict[int, tuple[int, weakref.ref]] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def mark(self, phase: str) -> None:
+        """Enter ``phase``; its peak starts at what is live now."""
+        self.phase = phase
+        self.at_start[phase] = self.current
+        self.peaks[phase] = max(self.peaks.get(phase, 0), self.current)
+
+    def movement_peak(self) -> int:
+        """The peak over the movement phases and the start of compute."""
+        return max([self.peaks.get(p, 0) for p in MOVEMENT_PHASES] + [self.at_start.get("compute", 0)])
+
+    def _free(self, key: int) -> None:
+        nbytes, _ = self._live.pop(key)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._live and storage.nbytes():
+                    self._live[key] = (storage.nbytes(), weakref.ref(storage, lambda _, k=key: self._free(k)))
+                    self.current += storage.nbytes()
+                    self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.current)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankRow:
+    """One rank under one strategy."""
+
+    strategy: str
+    rank: int
+    slice_bytes: int
+    """Bytes of the parameter slices the rank computes with (the same again for their gradients)."""
+    shard_bytes: int
+    """Master shard and its gradient (fp32)."""
+    received: int
+    sent: int
+    ideal_received: int
+    """Slices not in the own shard (parameters in) plus other ranks' gradients of the own shard."""
+    ideal_sent: int
+    """Parts of the own shard other ranks compute with (parameters out) plus the rank's gradient slices
+    that other shards own."""
+    peak_movement: int
+    """Peak live bytes in the parameter-movement phases."""
+    peak_step: int
+    """Peak live bytes over the whole step (activations included)."""
+    before_received: int
+    before_sent: int
+    before_peak_movement: int
+
+    @property
+    def target_bytes(self) -> int:
+        """1.5 x (parameter and gradient slices) + shard."""
+        return int(1.5 * 2 * self.slice_bytes) + self.shard_bytes
+
+
+def _batch(cfg: LlamaConfig, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (24, 9, 31, 16, 12, 28, 5, 19)]
+
+
+def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) -> list[dict]:
+    import hcompile
+    from hcompile.models import Llama
+    from passes.ir import Strategy
+    from passes.variant import TokenBuckets
+
+    with hcompile.empty_init():
+        model = Llama(cfg)
+    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                               strategies=list(strategies), max_tokens=64, buckets=TokenBuckets.powers_of_two(32, 256),
+                               calibrate=False, init=hcompile.normal_init(0.02))
+    layout, executor = trainer.layout, trainer.executor
+    rows = []
+    for i, strategy in enumerate(strategies):
+        trainer.train_step(_batch(cfg, 2 * i), strategy=strategy)  # compiles what the strategy needs
+        meter = LiveBytes(base=layout.shard_numel * 4)
+        executor.on_phase = meter.mark
+        with meter:
+            stats = trainer.train_step(_batch(cfg, 2 * i + 1), strategy=strategy)
+        executor.on_phase = None
+        move = executor.redistribution_of(Strategy.parse(strategy))
+        size = layout.shard.element_size()
+        owned = move.numel - move.local_numel
+        before = _full_vector_movement(layout, move)
+        rows.append(asdict(RankRow(
+            strategy=strategy, rank=rank, slice_bytes=move.numel * size, shard_bytes=2 * layout.shard_numel * 4,
+            received=stats.traffic.params_received + stats.traffic.grads_received,
+            sent=stats.traffic.params_sent + stats.traffic.grads_sent,
+            ideal_received=(owned + move.served_numel()) * size, ideal_sent=(move.served_numel() + owned) * size,
+            peak_movement=meter.movement_peak(), peak_step=max(meter.peaks.values()),
+            **before)))
+    return rows
+
+
+def _full_vector_movement(layout, move) -> dict:
+    """The previous runtime's movement for this rank's slices, measured: all-gather of the whole fp32 vector,
+    the slices copied out of it, a zeroed full-size gradient buffer with the slices' gradients added in,
+    all-reduced (gloo has no reduce-scatter)."""
+    import torch.distributed as dist
+
+    from runtime.fixed_layout import _all_gather
+
+    meter = LiveBytes(base=layout.shard_numel * 4)
+    world, shard = layout.world_size, layout.shard_numel
+    with meter:
+        meter.mark("pull")
+        flat = torch.empty(shard * world)
+        _all_gather(flat, layout.shard.detach())
+        slices = torch.cat([flat[a:b] for a, b in move.ranges])
+        del flat
+        meter.mark("push")
+        grads = torch.ones_like(slices)
+        full = torch.zeros(shard * world)
+        pos = 0
+        for a, b in move.ranges:
+            full[a:b] += grads[pos:pos + b - a]
+            pos += b - a
+        dist.all_reduce(full)
+        shard_grad = full[layout.shard_lo:layout.shard_lo + shard].clone()
+        del full, grads, slices, shard_grad
+    return {"before_received": (world - 1) * shard * 4 + (world - 1) * shard * 4,
+            "before_sent": (world - 1) * shard * 4 + (world - 1) * shard * 4,
+            "before_peak_movement": meter.movement_peak()}
+
+
+def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4) -> list[dict]:
+    """Every (strategy, rank) row, measured on ``world`` local ranks."""
+    from hcompile.spawn import run_local_ranks
+
+    per_rank = run_local_ranks(world, _rank, cfg, strategies, timeout_s=1200)
+    return [row for rows in zip(*per_rank) for row in rows]
+
+
+def format_table(rows: list[dict]) -> str:
+    mb = 2**20
+    lines = [f"{'strategy':<13}{'rank':>4} {'slices MB':>9} {'recv MB':>8} {'/ideal':>6} {'sent MB':>8} {'/ideal':>6} "
+             f"{'peak move MB':>12} {'target MB':>9} {'peak step MB':>12} | {'before recv':>11} {'sent':>7} "
+             f"{'peak move':>9}"]
+    for r in rows:
+        ratio_in = r["received"] / r["ideal_received"] if r["ideal_received"] else 1.0
+        ratio_out = r["sent"] / r["ideal_sent"] if r["ideal_sent"] else 1.0
+        target = int(1.5 * 2 * r["slice_bytes"]) + r["shard_bytes"]
+        lines.append(f"{r['strategy']:<13}{r['rank']:>4} {r['slice_bytes'] / mb:>9.1f} {r['received'] / mb:>8.1f} "
+                     f"{ratio_in:>6.2f} {r['sent'] / mb:>8.1f} {ratio_out:>6.2f} {r['peak_movement'] / mb:>12.1f} "
+                     f"{target / mb:>9.1f} {r['peak_step'] / mb:>12.1f} | {r['before_received'] / mb:>11.1f} "
+                     f"{r['before_sent'] / mb:>7.1f} {r['before_peak_movement'] / mb:>9.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and two strategies (seconds)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--out", default="results", help="folder of memory.jsonl (default results)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"--out {args.out!r} is a file, expected a folder", file=sys.stderr)
+        return 2
+    from benchmarks.e2e import commit, device_name
+
+    cfg, strategies = (SMOKE_MODEL, SMOKE_STRATEGIES) if args.smoke else (MODEL, STRATEGIES)
+    rows = run(cfg, strategies)
+    params = sum(r["slice_bytes"] for r in rows if r["strategy"] == "4x(tp1)" and r["rank"] == 0) // 4
+    summary = {"benchmark": "memory", "commit": commit(), "device": device_name(), "smoke": args.smoke,
+               "model": asdict(cfg), "parameters": params, "ranks": 4, "rows": rows,
+               "max_moved_over_ideal": max(max(r["received"] / max(1, r["ideal_received"]),
+                                               r["sent"] / max(1, r["ideal_sent"])) for r in rows),
+               "max_peak_over_target": max(r["peak_movement"] / (int(3 * r["slice_bytes"]) + r["shard_bytes"])
+                                           for r in rows)}
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "memory.jsonl", "a") as f:
+        stamp = {k: summary[k] for k in ("benchmark", "commit", "device", "smoke", "model")}
+        for row in rows:
+            f.write(json.dumps({**stamp, **row}) + "\n")
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_table(rows))
+        print(f"{params / 1e6:.1f}M parameters; moved/ideal at most {summary['max_moved_over_ideal']:.3f} "
+              f"(target 1.1); peak of the movement phases over 1.5 x slices + shard at most "
+              f"{summary['max_peak_over_target']:.3f} (target 1.0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
