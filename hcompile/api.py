@@ -79,18 +79,16 @@ class CompiledModel:
         return out[0, :total]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, *, tp_rank: int = 0,
-                tp_group: str | None = None, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> Variant:
-        """The compiled variant for (scheme, stage, bucket) on this rank, built once and cached; ``dtype`` and
-        ``device`` as in :meth:`captured` (such a variant runs once ``Variant.bind_`` gave it real tensors)."""
+                tp_group: str | None = None) -> Variant:
+        """The compiled variant for (scheme, stage, bucket) on this rank, built once and cached (it computes
+        with the model's own Parameters, or its slices of them)."""
         key = VariantKey(scheme=scheme, stage=stage, bucket=bucket)
-        cache = (key, tp_rank, tp_group, *self._compute(dtype, device))
-        if cache not in self._variants:
-            captured = self.captured(bucket, dtype, device)
-            self._variants[cache] = build_variant(
+        if (key, tp_rank, tp_group) not in self._variants:
+            captured = self.captured(bucket)
+            self._variants[(key, tp_rank, tp_group)] = build_variant(
                 captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
                 output_index=captured.output_index, backend=self.backend)
-        return self._variants[cache]
+        return self._variants[(key, tp_rank, tp_group)]
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:

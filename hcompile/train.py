@@ -25,7 +25,7 @@ from passes.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
 from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
 from passes.tensor_parallel import ParamSlice, split_dims
-from passes.variant import TokenBuckets, Variant
+from passes.variant import TokenBuckets, Variant, VariantKey, build_variant
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
@@ -157,14 +157,22 @@ class CompiledProvider:
                  device: torch.device | str | None = None):
         self.compiled, self.buckets, self.dtype, self.device = compiled, buckets, dtype, device
         self._stages: dict[tuple, _VariantStage] = {}
+        self._variants: dict[tuple, Variant] = {}
 
     def captured(self, tokens: int):
         """The model captured on (1, tokens) for this provider's compute dtype and device."""
         return self.compiled.captured(tokens, self.dtype, self.device)
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int, group: str | None) -> Variant:
-        return self.compiled.variant(scheme, stage, bucket, tp_rank=tp_rank, tp_group=group, dtype=self.dtype,
-                                     device=self.device)
+        """This provider's variant of (scheme, stage, bucket) for one TP rank, built once. A variant is bound to
+        one trainer's parameters, so trainers over one CompiledModel share its captures, not its variants."""
+        cache = (scheme, stage, bucket, tp_rank, group)
+        if cache not in self._variants:
+            captured = self.captured(bucket)
+            self._variants[cache] = build_variant(
+                captured.graph_module, VariantKey(scheme=scheme, stage=stage, bucket=bucket), tp_rank=tp_rank,
+                tp_group=group, output_index=captured.output_index, backend=self.compiled.backend)
+        return self._variants[cache]
 
     def buffer(self, name: str) -> torch.Tensor:
         """The model's own buffer ``name`` (what a captured buffer or constant stands for)."""
@@ -183,8 +191,8 @@ class CompiledProvider:
         return self._stages[key]
 
     def recompiles(self) -> int:
-        """torch.compile compilations of every variant built so far."""
-        return sum(v.counter.count for v in self.compiled._variants.values())
+        """torch.compile compilations of every variant this provider built so far."""
+        return sum(v.counter.count for v in self._variants.values())
 
     def largest_bucket(self, up_to: int) -> int:
         """The largest bucket (up to the first >= ``up_to``) the model can be captured at. Capture runs the

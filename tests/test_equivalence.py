@@ -150,3 +150,30 @@ def test_micro_batches_in_two_buckets_on_one_rank(tmp_path):
     assert loss == pytest.approx(losses[0], rel=1e-5)
     for n, p in states[0].items():
         torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _two_trainers(rank, world):
+    """Two trainers over one CompiledModel (as the harness runs its policies): each keeps its own variants."""
+    from hcompile.api import CompiledModel
+    from hcompile.train import TrainOptions, Trainer
+
+    compiled = CompiledModel(_make("llama", 5), buckets=BUCKETS)
+    options = TrainOptions(optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=("2x(tp1)",),
+                           max_tokens=CAP, buckets=BUCKETS, calibrate=False)
+    first, second = Trainer(compiled, options), Trainer(compiled, options)
+    losses = []
+    for lens in ([14, 22, 15, 9], [23, 5, 18, 2]):
+        batch = _batch("llama", 5, lens)
+        losses.append((first.train_step(batch).loss, second.train_step(batch).loss))
+    return losses, first.full_state_dict(), second.full_state_dict()
+
+
+def test_two_trainers_over_one_compiled_model(tmp_path):
+    steps = [[14, 22, 15, 9], [23, 5, 18, 2]]
+    losses, states = reference_sgd(_make("llama", 5), [_batch("llama", 5, lens) for lens in steps], 0.3)
+    for got, first, second in run_ranks(2, tmp_path, _two_trainers):
+        assert [a for a, _ in got] == pytest.approx(losses, rel=1e-5)
+        assert [b for _, b in got] == pytest.approx(losses, rel=1e-5)
+        for n, p in states[-1].items():
+            torch.testing.assert_close(first[n], p, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(second[n], p, rtol=1e-5, atol=1e-6)
