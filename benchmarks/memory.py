@@ -1,6 +1,6 @@
 """``python -m benchmarks.memory``: what the runtime moves and holds per rank per step, against the ideal.
 
-A LLaMA of 52.5M parameters (14 layers, hidden 512, SwiGLU 1536, 8 heads, 4 kv heads, vocab 8192), built on
+A LLaMA of 52.4M parameters (14 layers, hidden 512, SwiGLU 1536, 8 heads, 4 kv heads, vocab 8192), built on
 the meta device and initialised per parameter, trains on 4 local gloo ranks under 4x(tp1), 2x(tp2), 1x(tp4)
 and 1x(tp2,pp2) (SGD, fp32, a small batch so that activations stay small). For one measured step of each,
 per rank:
