@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from hcompile.capture import Captured, capture
 from passes.ir import ParallelScheme
+from passes.normalize import fold_repeat_kv_pass
 from passes.packed_attention import rewrite_packed_attention_pass
 from passes.pass_runner import PassContext, PassRecord, run_passes
 from passes.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
@@ -64,7 +65,7 @@ class CompiledModel:
         if tokens not in self._packed:
             source = self.captured(tokens).graph_module
             gm = fx.GraphModule(source, _copy_graph(source), class_name="Packed" + type(self.model).__name__)
-            gm, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+            gm, records = run_passes(gm, [fold_repeat_kv_pass, rewrite_packed_attention_pass], PassContext())
             self.records.extend(records)
             self._packed[tokens] = gm
         return self._packed[tokens]

@@ -83,20 +83,69 @@ def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = N
     shadow = (any(p.device.type == "meta" for p in params)
               or (dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in params))
               or any(p.device != device for p in params))
-    if not shadow:
-        record, user_out = _trace(model, args)
-        gm, names = _normalise(model, record["gm"], record["inputs"], args)
-    else:
-        with _meta_stand_ins(model, dtype):
-            meta_args = tuple(a.to("meta") for a in args)
-            record, user_out = _trace(model, meta_args)
-            gm, names = _normalise(model, record["gm"], record["inputs"], meta_args, stand_ins=True)
-    return Captured(
-        graph_module=gm,
-        example_inputs=tuple(args),
-        output_index=_output_index(record.get("outputs"), user_out),
-        param_names=names,
-    )
+    with _without_kv_cache(model):
+        if not shadow:
+            record, user_out = _trace(model, args)
+            gm, names = _normalise(model, record["gm"], record["inputs"], args)
+        else:
+            with _meta_stand_ins(model, dtype):
+                meta_args = tuple(a.to("meta") for a in args)
+                record, user_out = _trace(model, meta_args)
+                gm, names = _normalise(model, record["gm"], record["inputs"], meta_args, stand_ins=True)
+    _keep_only_output(gm, _output_index(record.get("outputs"), user_out))
+    _drop_empty_concat_operands(gm)
+    return Captured(graph_module=gm, example_inputs=tuple(args), output_index=0, param_names=names)
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model (``model.config.use_cache``) traced without its inference cache: training reads
+    keys and values of the whole sequence, never a cache."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    saved = config.use_cache
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = saved
+
+
+def _keep_only_output(gm: fx.GraphModule, index: int) -> None:
+    """The graph returns the logits alone (what training reads); whatever only fed other outputs goes."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    output.args = ((values[index],),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _drop_empty_concat_operands(gm: fx.GraphModule) -> None:
+    """``torch.cat`` operands with no elements (an empty cache a model concatenates to) are left out; a
+    concatenation of one tensor is that tensor."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.cat or not isinstance(node.args[0], (list, tuple)):
+            continue
+        parts = [a for a in node.args[0] if not (isinstance(a, fx.Node) and _empty(a))]
+        if len(parts) == len(node.args[0]) or not parts:
+            continue
+        changed = True
+        if len(parts) == 1 and isinstance(parts[0], fx.Node):
+            node.replace_all_uses_with(parts[0])
+            gm.graph.erase_node(node)
+        else:
+            node.args = (parts, *node.args[1:])
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _empty(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() == 0
 
 
 def _trace(model: nn.Module, args: Sequence[torch.Tensor]) -> tuple[dict, Any]:

@@ -53,7 +53,7 @@ class OpClass(enum.Enum):
 
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
-_LINEAR = (F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm)
+_LINEAR = (F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm)
 _NORM = (F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm)
 _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "split",
                  "chunk", "expand", "flatten", "t"}
@@ -179,7 +179,7 @@ def node_flops(node: fx.Node) -> tuple[float, float]:
     """Forward (linear FLOPs per token, attention FLOPs per token^2 of one sequence) of one node."""
     kind = classify_node(node)
     if kind is OpClass.LINEAR:
-        w = _val(node.args[1])
+        w = _val(node.args[2] if node.target is torch.addmm else node.args[1])  # addmm(bias, x, w)
         if w is None:
             return 0.0, 0.0
         if node.target in (F.linear, torch._C._nn.linear):

@@ -140,7 +140,58 @@ class TensorParallelPlan:
 
 
 def _is_linear(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _LINEAR_TARGETS
+    return node.op == "call_function" and (node.target in _LINEAR_TARGETS or node.target is torch.addmm)
+
+
+@dataclass(frozen=True, slots=True)
+class _LinearArgs:
+    """A linear's operands whichever way it is written: ``linear(x, w[out, in], b)`` or, as GPT-2's Conv1D
+    does, ``addmm(b, x, w[in, out])``."""
+
+    x_pos: int
+    """Position of the input among the node's args."""
+    weight: Any
+    bias: Any
+    out_dim: int
+    """The weight dim of the output features."""
+
+
+def _linear_args(node: fx.Node) -> _LinearArgs:
+    if node.target is torch.addmm:
+        return _LinearArgs(1, node.args[2], node.args[0], 1)
+    return _LinearArgs(0, node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("bias"), 0)
+
+
+def _linear_input(node: fx.Node) -> Any:
+    return node.args[_linear_args(node).x_pos]
+
+
+_SHAPE_METHODS = ("view", "reshape")
+
+
+def _last_dim(node: Any) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() else None
+
+
+def _keeps_last_dim(view: fx.Node) -> bool:
+    """A view or reshape whose output has its input's last dim."""
+    return (view.op == "call_method" and view.target in _SHAPE_METHODS and isinstance(view.args[0], fx.Node)
+            and _last_dim(view) is not None and _last_dim(view) == _last_dim(view.args[0]))
+
+
+def _through_views(node: fx.Node) -> fx.Node:
+    """``node`` followed down its chain of sole-user views and reshapes that keep the last dim."""
+    while len(node.users) == 1 and _keeps_last_dim(next(iter(node.users))):
+        node = next(iter(node.users))
+    return node
+
+
+def _view_source(node: fx.Node) -> fx.Node:
+    """The node of which ``node`` is a chain of last-dim-keeping views (itself when it is not a view)."""
+    while _keeps_last_dim(node):
+        node = node.args[0]
+    return node
 
 
 def _reaches_output_directly(node: fx.Node) -> bool:
@@ -164,7 +215,7 @@ def _decide_roles(gm: fx.GraphModule, head: LinearRole = LinearRole.REPLICATED) 
     roles: dict[str, LinearRole] = {}
     for node in gm.graph.nodes:
         if _is_linear(node):
-            if split.get(node.args[0], False):
+            if split.get(_linear_input(node), False):
                 roles[node.name], split[node] = LinearRole.ROW, False
             elif _reaches_output_directly(node):
                 roles[node.name], split[node] = head, False
@@ -216,8 +267,9 @@ def _split_dim(split: fx.Node) -> int:
 
 
 def _chunks(node: fx.Node, tp: int, rank: int, kv_parts: dict[str, int]) -> tuple[_Chunk, ...]:
-    out_features = int(node.args[1].meta["val"].shape[0])
-    users = list(node.users)
+    lin = _linear_args(node)
+    out_features = int(lin.weight.meta["val"].shape[lin.out_dim])
+    users = list(_through_views(node).users)
     heads = [node]
     sizes = [out_features]
     if len(users) == 1 and users[0].target in ("split", torch.split) and _split_dim(users[0]) == -1:
@@ -263,20 +315,25 @@ def _block(name: str, shape: tuple[int, ...], dim: int, tp: int, rank: int, node
 
 def _linear_slices(node: fx.Node, role: LinearRole, tp: int, rank: int, kv_parts: dict[str, int],
                    chunks: dict[str, tuple[_Chunk, ...]]) -> dict[str, ParamSlice]:
-    weight, bias = _param_name(node.args[1]), _param_name(node.args[2] if len(node.args) > 2 else None)
+    lin = _linear_args(node)
+    weight, bias = _param_name(lin.weight), _param_name(lin.bias)
     if weight is None:
         raise PassError(f"tensor parallel: {where(node)}: the weight is computed, not a parameter")
-    shape = tuple(node.args[1].meta["val"].shape)
+    shape = tuple(lin.weight.meta["val"].shape)
     new: dict[str, ParamSlice] = {}
     if role is LinearRole.COLUMN:
         chunks[node.name] = c = _chunks(node, tp, rank, kv_parts)
         shared = tp // c[0].parts
-        new[weight] = ParamSlice(name=weight, full_shape=shape, dim=0, ranges=_column_ranges(c), shared_by=shared)
+        new[weight] = ParamSlice(name=weight, full_shape=shape, dim=lin.out_dim, ranges=_column_ranges(c),
+                                 shared_by=shared)
         if bias:
-            new[bias] = ParamSlice(name=bias, full_shape=shape[:1], dim=0, ranges=_column_ranges(c), shared_by=shared)
+            new[bias] = ParamSlice(name=bias, full_shape=(shape[lin.out_dim],), dim=0, ranges=_column_ranges(c),
+                                   shared_by=shared)
     elif role is LinearRole.ROW:
-        new[weight] = _block(weight, shape, 1, tp, rank, node)
+        new[weight] = _block(weight, shape, 1 - lin.out_dim, tp, rank, node)
     elif role is LinearRole.VOCAB:
+        if lin.out_dim != 0:
+            raise PassError(f"tensor parallel: vocab-parallel {where(node)} is not a linear(x, weight); not supported")
         if bias:
             raise PassError(f"tensor parallel: vocab-parallel {where(node)} has a bias; not supported")
         new[weight] = _block(weight, shape, 0, tp, rank, node)
@@ -389,7 +446,8 @@ class _Rewriter:
             return self.linear(node)
         if classify_node(node) is OpClass.ATTENTION:
             return self.attention(node)
-        spec, args, kwargs = propagate_node(node, self.specs, node.args, lambda n: self.plan.local_chunks(n.name))
+        spec, args, kwargs = propagate_node(node, self.specs, node.args,
+                                            lambda n: self.plan.local_chunks(_view_source(n).name))
         self.specs[node] = spec
         return self.new(node.op, node.target, args, kwargs, like=node)
 
@@ -410,7 +468,8 @@ class _Rewriter:
 
     def linear(self, node: fx.Node) -> fx.Node:
         role = self.plan.role(node.name)
-        x = node.args[0]
+        lin = _linear_args(node)
+        x = node.args[lin.x_pos]
         spec = self.specs.get(x)
         ndim = len(x.meta["val"].shape)
         if role in (LinearRole.COLUMN, LinearRole.VOCAB):
@@ -419,7 +478,7 @@ class _Rewriter:
             if x not in self.copies:
                 self.copies[x] = self.graph.call_function(TP_COPY, (self.env[x], self.group))
             new = self.new("call_function", node.target, node.args, like=node)
-            new.update_arg(0, self.copies[x])
+            new.update_arg(lin.x_pos, self.copies[x])
             if role is LinearRole.VOCAB:
                 self.specs[node] = None
                 return self.graph.call_function(TP_ALL_GATHER, (new, self.group, ndim - 1, self.plan.tp))
@@ -430,8 +489,11 @@ class _Rewriter:
             if spec != Shard(dim=ndim - 1, frac=Fraction(1, self.plan.tp)):
                 raise PassError(f"tensor parallel: row-parallel {where(node)} expects its input split 1/tp along "
                                 f"the last dim, got {spec}")
-            bias = node.args[2] if len(node.args) > 2 else None
-            partial = self.new("call_function", node.target, (x, node.args[1], None), like=node)
+            bias = lin.bias
+            if node.target is torch.addmm:
+                partial = self.new("call_function", torch.mm, (x, lin.weight), like=node)
+            else:
+                partial = self.new("call_function", node.target, (x, lin.weight, None), like=node)
             reduced = self.graph.call_function(TP_ALL_REDUCE, (partial, self.group))
             self.specs[node] = None
             return reduced if bias is None else self.graph.call_function(

@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 
 from passes.ir import ParallelScheme
+from passes.normalize import fold_repeat_kv_pass
 from passes.packed_attention import rewrite_packed_attention_pass
 from passes.pass_runner import PassContext, PassRecord, run_passes
 from passes.pipeline_split import split_pipeline_pass
@@ -234,7 +235,7 @@ def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0
                       options={"packed_attention.backend": attention_backend,
                                "tensor_parallel.vocab_parallel": vocab_parallel,
                                "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
-    passes = [shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
+    passes = [fold_repeat_kv_pass, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
     gm, records = run_passes(_copy(captured), passes, ctx)
     stage_gm, inputs, boundary_in, boundary_out = _stage_of(gm, records, key.stage)
     tp = next((r.info["plan"] for r in records if r.name == "shard_tensor_parallel_pass" and r.modified), None)

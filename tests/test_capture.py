@@ -1,5 +1,6 @@
 """Capture: one normalised graph per forward, equal to eager; graph breaks and bad outputs are named."""
 
+import collections
 from dataclasses import dataclass
 
 import pytest
@@ -73,3 +74,34 @@ def test_capture_joint_gives_forward_and_backward_graphs():
     classes = {classify_node(n).value for n in fw.graph.nodes}
     assert {"linear", "attention", "norm", "embedding"} <= classes  # aten-level ops are classified too
     assert any(n.op == "call_function" for n in bw.graph.nodes)
+
+
+_CacheOut = collections.namedtuple("_CacheOut", "logits extra")
+
+
+class _WithCache(nn.Module):
+    """A model that concatenates to an empty cache, returns extra outputs and has a Hugging Face-like config."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.config = type("Config", (), {"use_cache": True})()
+        self.seen_use_cache = None
+
+    def forward(self, x):
+        self.seen_use_cache = self.config.use_cache
+        past = torch.tensor([], dtype=x.dtype)
+        k = torch.cat([past, self.proj(x)], dim=-2) if past.dim() == 1 else self.proj(x)
+        k = torch.cat([torch.empty(1, 0, 8), k], dim=1)
+        return _CacheOut(logits=k * 2, extra=k.sum())
+
+
+def test_capture_keeps_the_logits_only_without_cache_concatenation():
+    model = _WithCache()
+    x = torch.randn(1, 5, 8)
+    cap = capture(model, x)
+    assert model.seen_use_cache is False and model.config.use_cache is True  # traced without, then restored
+    nodes = list(cap.graph_module.graph.nodes)
+    assert not any(n.op == "call_function" and n.target is torch.cat for n in nodes)
+    assert cap.output_index == 0 and len(nodes[-1].args[0]) == 1
+    torch.testing.assert_close(cap.graph_module(x)[0], model(x).logits)

@@ -132,3 +132,61 @@ def test_packed_equals_per_sequence_eager_forward_and_gradients(model_cls, bucke
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     for name, p in model.named_parameters():  # fp32 sums of O(10) values: relative 1e-5 as well
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention whose mask is built from positions the way Hugging Face models build it: causal and within
+    the sequences that positions restarting at 0 delimit, and inside a sliding window of ``window`` tokens."""
+
+    def __init__(self, window: int, causal: bool = True):
+        super().__init__()
+        self.window, self.causal = window, causal
+
+    def forward(self, x):  # x: (1, T, 32)
+        t = x.shape[1]
+        pos = torch.arange(t)[None]  # (1, T) positions
+        seq = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # (1, T) sequence ids
+        q_idx, kv_idx = torch.arange(t)[:, None], torch.arange(t)[None, :]  # index aranges
+        qp, kp = pos[0][q_idx], pos[0][kv_idx]
+        mask = (kp > qp - self.window) & (seq[0][q_idx] == seq[0][kv_idx])
+        if self.causal:
+            mask = mask & (kp <= qp)
+        q = (x + pos[..., None]).view(1, t, 2, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask[None, None])
+
+
+@pytest.mark.parametrize("window", [1000, 24])
+def test_a_mask_built_from_positions_is_dropped_when_causal_within_sequences(window):
+    """Evaluated on a probe of packed sequences it equals causal-within-sequence, so packed attention (which
+    is exactly that) replaces it; a window longer than any sequence is no window."""
+    model = _MaskedAttention(window)
+    gm = hcompile.capture(model, torch.randn(1, 24, 32)).graph_module
+    out, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+    assert records[0].modified and records[0].info["positions"] == 1  # the index aranges stay
+    assert not any(n.target is torch.diff for n in out.graph.nodes), "the mask is gone"
+    x = torch.randn(1, 24, 32)
+    cu = torch.tensor([0, 10, 17, 24], dtype=torch.int32)
+    expected = torch.cat([model(x[:, a:b]) for a, b in [(0, 10), (10, 17), (17, 24)]], dim=2)
+    torch.testing.assert_close(out(x, cu, 10)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model, message", [
+    (_MaskedAttention(window=4), "not causal within each packed sequence .*sliding window shorter than 24"),
+    (_MaskedAttention(window=1000, causal=False), "not causal within each packed sequence"),
+])
+def test_other_masks_are_a_named_error(model, message):
+    gm = hcompile.capture(model, torch.randn(1, 24, 32)).graph_module
+    with pytest.raises(PassError, match=message):
+        rewrite_packed_attention_pass(gm, PassContext())
+
+
+class _InputMask(nn.Module):
+    def forward(self, x):  # the mask depends on the data: out of scope
+        q = x.view(1, 6, 2, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=(x.sum(-1) > 0)[:, None, :, None])
+
+
+def test_a_mask_read_from_the_inputs_is_a_named_error():
+    gm = hcompile.capture(_InputMask(), torch.randn(1, 6, 32)).graph_module
+    with pytest.raises(PassError, match="not built from positions alone .*graph input"):
+        rewrite_packed_attention_pass(gm, PassContext())
