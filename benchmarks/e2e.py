@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hcompile.data import ByteTokenizer, Corpus, DataError, TokenBatches, python_stdlib
 from hcompile.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
 from hcompile.spawn import RankError, max_local_ranks, run_local_ranks
 from hcompile.train import ANALYSIS_TOKENS, cpu_cost_model
@@ -40,6 +41,8 @@ from passes.plan_policies import POLICIES
 __all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table", "format_cost_model", "main"]
 
 DEFAULT_POLICIES = ("hydraulis", "homogeneous-token", "fixed-packing")
+TEXT_DATASET = "stdlib"
+DATASETS = (TEXT_DATASET, *PRESET_DATASETS)
 FIELDS = ("tokens_per_s", "step_ms_one_core_per_rank", "balance", "pred_over_measured", "recompiles_after_warmup",
           "param_bytes_received", "grad_bytes_sent", "plan_ms", "plan_hidden")
 
@@ -50,10 +53,13 @@ class E2EConfig:
 
     model: str = "llama-small"
     """CPU model preset (``hcompile.profile.CPU_MODELS``)."""
-    dataset: str = "python-code"
-    """Length dataset preset."""
+    dataset: str = "stdlib"
+    """``stdlib``: real text, the running interpreter's standard library sources, one document per function or
+    class, byte tokens, documents longer than ``context`` cut into pieces of ``context``; or a length dataset
+    preset (``python-code``, ``commoncrawl``, ``github``: lengths scaled to ``context``, random tokens, as the
+    harness ran before it had real text)."""
     context: int = 1024
-    """The dataset is scaled so that its longest sequence has this many tokens."""
+    """The longest sequence, in tokens."""
     ranks: int = 4
     """Local ranks (gloo on CPU)."""
     max_tokens: int = 768
@@ -87,8 +93,11 @@ class E2EConfig:
     def __post_init__(self) -> None:
         if self.model not in CPU_MODELS:
             raise PlanError(f"unknown model {self.model!r}; known: {', '.join(CPU_MODELS)}")
-        if self.dataset not in PRESET_DATASETS:
-            raise PlanError(f"unknown dataset {self.dataset!r}; known: {', '.join(PRESET_DATASETS)}")
+        if self.dataset not in DATASETS:
+            raise PlanError(f"unknown dataset {self.dataset!r}; known: {', '.join(DATASETS)}")
+        if self.dataset == TEXT_DATASET and CPU_MODELS[self.model].vocab < ByteTokenizer().vocab_size:
+            raise PlanError(f"model {self.model!r} has {CPU_MODELS[self.model].vocab} tokens, byte-level text "
+                            f"needs {ByteTokenizer().vocab_size}")
         for name in ("context", "ranks", "max_tokens", "global_tokens", "steps", "max_tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -165,16 +174,32 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
     return cost_model_from_profile(profile, cfg.max_tokens, schemes, gpus_per_node=cfg.ranks), info
 
 
+def text_batches(cfg: E2EConfig) -> tuple[LengthDataset, list[list[list[int]]]]:
+    """The standard library as byte tokens: the lengths of all its sequences (what the pool is built from)
+    and the first ``warmup + steps`` global batches of ``global_tokens``."""
+    corpus = Corpus.from_paths(python_stdlib(), split_python=True)
+    data = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=cfg.global_tokens, max_len=cfg.context,
+                        seed=cfg.seed)
+    lengths = [len(s) for doc in corpus.documents for s in data.sequences(doc)]
+    batches = [[s.tolist() for s in data.next_batch()] for _ in range(cfg.warmup + cfg.steps)]
+    return LengthDataset.from_lengths(f"{TEXT_DATASET}@{cfg.context}", lengths), batches
+
+
 def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("results")) -> dict:
     """Profile (unless given a cost model), then train every policy on the same batches; the raw records."""
     from benchmarks.e2e_rank import RankJob, rank_main
 
-    data = scale_dataset(load_dataset(cfg.dataset), cfg.context)
+    if cfg.dataset == TEXT_DATASET:
+        data, tokens = text_batches(cfg)
+        batches = [[len(s) for s in batch] for batch in tokens]
+    else:
+        data, tokens = scale_dataset(load_dataset(cfg.dataset), cfg.context), None
+        batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
     _check_fits(cfg, data)
     cost_model, cost_info = build_cost_model(cfg, show_progress, out)
-    batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
     buckets = token_buckets(cfg.max_tokens * max(cfg.tps))
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
+                  tokens=None if tokens is None else tuple(tuple(map(tuple, b)) for b in tokens),
                   warmup=cfg.warmup, max_tokens=cfg.max_tokens, buckets=buckets.sizes, cost_model=cost_model,
                   dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns)
     started = time.perf_counter()
@@ -211,6 +236,7 @@ def _policy_summary(rec: dict) -> dict:
         "tokens_per_s_one_core_per_rank": tokens / (sum(one_core) / 1e3),
         "step_wall_ms": float(np.mean([s["wall_ms"] for s in steps])),
         "final_loss": steps[-1]["loss"],
+        "losses": [s["loss"] for s in steps],
         "strategies": strategies,
         "pool": rec["pool"],
         "fixed_strategy": rec["fixed"],
@@ -223,7 +249,11 @@ def summarize(result: dict) -> dict:
     rank 0's per step; ``plan_hidden`` is the share of steps whose plan was ready before it was needed)."""
     config = {**result["config"], "device": device_name(), "commit": commit(),
               "coefficients": result["coefficients"], "train_wall_s": round(result["train_wall_s"], 1)}
-    return {"config": config, "policies": {name: _policy_summary(rec) for name, rec in result["records"].items()}}
+    policies = {name: _policy_summary(rec) for name, rec in result["records"].items()}
+    curves = np.array([p["losses"] for p in policies.values()])  # (policies, steps)
+    spread = float(((curves.max(0) - curves.min(0)) / curves.mean(0)).max()) if len(curves) else 0.0
+    return {"config": config, "policies": policies, "loss_spread": spread,
+            "loss_drop": float(curves[:, 0].mean() - curves[:, -1].mean()) if len(curves) else 0.0}
 
 
 def device_name() -> str:
@@ -290,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = E2EConfig()
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model, help=f"CPU model: {', '.join(CPU_MODELS)} ({d.model})")
-    p.add_argument("--dataset", default=d.dataset, help=f"length dataset: {', '.join(PRESET_DATASETS)} ({d.dataset})")
-    p.add_argument("--context", type=int, default=d.context, help=f"longest sequence after scaling ({d.context})")
+    p.add_argument("--dataset", default=d.dataset,
+                   help=f"stdlib (real text: this Python's standard library, byte tokens) or a length dataset with "
+                        f"random tokens: {', '.join(PRESET_DATASETS)} ({d.dataset})")
+    p.add_argument("--context", type=int, default=d.context, help=f"longest sequence in tokens ({d.context})")
     p.add_argument("--ranks", type=int, default=d.ranks, help=f"local ranks ({d.ranks})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"per-rank token cap ({d.max_tokens})")
     p.add_argument("--global-tokens", type=int, default=d.global_tokens, help=f"tokens per step ({d.global_tokens})")
@@ -331,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         result = run_e2e(cfg, show_progress=True, out=Path(args.out))
-    except PlanError as exc:
+    except (PlanError, DataError) as exc:
         print(f"benchmarks.e2e: error: {exc}", file=sys.stderr)
         return 2
     except RankError as exc:
@@ -346,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_table(summary))
         print(format_cost_model(summary))
+        print(f"loss: {summary['loss_drop']:+.3f} from the first to the last measured step; the policies' curves "
+              f"differ by at most {100 * summary['loss_spread']:.4f}% (the same batches, exact gradients)")
         print(f"JSON lines: {out / 'e2e.jsonl'}")
         for path in plots:
             print(f"plot: {path}")

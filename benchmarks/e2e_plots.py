@@ -1,6 +1,7 @@
 """Plots of the compile-and-run harness: a per-rank timeline of one step for each policy (each rank's
-measured busy time, coloured by its replica's scheme, then the time it waits for the busiest rank) and the
-throughput of each policy. Needs matplotlib (the ``plot`` extra)."""
+measured busy time, coloured by its replica's scheme, then the time it waits for the busiest rank), the
+throughput of each policy, and the loss curve of each policy (the same batches and exact gradients: the
+curves coincide). Needs matplotlib (the ``plot`` extra)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plot_all", "plot_timeline", "plot_throughput"]
+__all__ = ["plot_all", "plot_timeline", "plot_throughput", "plot_loss"]
 
 COLORS = {"tp1": "#4C72B0", "tp2": "#DD8452", "tp4": "#55A868", "tp8": "#C44E52"}
 
@@ -65,7 +66,7 @@ def plot_throughput(summary: dict, path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     cfg = summary["config"]
-    fig.suptitle(f"{cfg['model']}, {cfg['ranks']} ranks, {cfg['dataset']} scaled to {cfg['context']}, "
+    fig.suptitle(f"{cfg['model']}, {cfg['ranks']} ranks, {cfg['dataset']} (context {cfg['context']}), "
                  f"cap {cfg['max_tokens']} tok/rank, {cfg['steps']} steps", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -73,7 +74,28 @@ def plot_throughput(summary: dict, path: Path) -> Path:
     return path
 
 
+def plot_loss(result: dict, path: Path) -> Path:
+    """Training loss per measured step, one line per policy (markers shrink so coinciding lines stay visible)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    styles = ["-o", "--s", ":^", "-.v"]
+    for k, (name, rec) in enumerate(result["records"].items()):
+        steps = [s["step"] for s in rec["steps"]]
+        ax.plot(steps, [s["loss"] for s in rec["steps"]], styles[k % len(styles)], label=name,
+                markersize=7 - 2 * k, linewidth=1.2, alpha=0.85)
+    cfg = result["config"]
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token loss (mean over the global batch)")
+    ax.set_title(f"{cfg['model']} on {cfg['dataset']}, {cfg['global_tokens']} tokens per step: the same batches "
+                 f"for every policy", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(result: dict, summary: dict, out: Path) -> list[Path]:
-    """Both plots under ``out``."""
+    """Every plot under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    return [plot_timeline(result, out / "e2e_timeline.png"), plot_throughput(summary, out / "e2e_throughput.png")]
+    return [plot_timeline(result, out / "e2e_timeline.png"), plot_throughput(summary, out / "e2e_throughput.png"),
+            plot_loss(result, out / "e2e_loss.png")]

@@ -32,6 +32,8 @@ class RankJob:
     """Policies, run one after the other."""
     batches: tuple[tuple[int, ...], ...]
     """Sequence lengths of every step (warm-up steps first)."""
+    tokens: tuple[tuple[tuple[int, ...], ...], ...] | None
+    """The token ids of every sequence of every step (real text), or None: random tokens of those lengths."""
     warmup: int
     """Leading steps that are not measured."""
     max_tokens: int
@@ -58,6 +60,8 @@ def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -
 
 
 def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
+    if job.tokens is not None:
+        return [[torch.tensor(seq, dtype=torch.long) for seq in batch] for batch in job.tokens]
     vocab = __import__("hcompile.profile", fromlist=["CPU_MODELS"]).CPU_MODELS[job.model].vocab
     gen = torch.Generator().manual_seed(job.seed + 7)
     return [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for lens in job.batches]
@@ -116,20 +120,21 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
 def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
     """Run every policy on this rank; rank 0 returns the records (the others None)."""
     from hcompile.api import CompiledModel
-    from hcompile.profile import build_model, progress_bar
+    from hcompile.profile import build_model
+    from hcompile.progress import progress_bar
 
     compiled = CompiledModel(build_model(job.model, job.seed), buckets=TokenBuckets(sizes=job.buckets))
     data = _token_batches(job)
 
     def progress(label: str, done: int, total: int) -> None:
         if rank == 0 and job.show_progress:
-            progress_bar(f"e2e {label} ({len(job.policies)} policies each)", done, total)
+            progress_bar(f"e2e {label} x policies", done, total)
 
     states = {policy: _setup_policy(job, compiled, policy) for policy in job.policies}
     for i in range(len(data)):  # policies interleaved step by step, so that background load hits them alike
-        for state in states.values():
+        for k, state in enumerate(states.values()):
             _step(job, state, data, i)
-        progress("steps", i + 1, len(data))
+            progress("steps", i * len(states) + k + 1, len(data) * len(states))
     if rank != 0:
         return None
     return {policy: {"pool": st["pool"], "fixed": st["fixed"], "compile_s": st["compile_s"],

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from hcompile.models import Llama, LlamaConfig, init_weights_
+from hcompile.progress import progress_bar
 from passes.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_for, state_bytes
 from passes.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
 from passes.variant import TokenBuckets
@@ -34,7 +34,7 @@ __all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_mode
            "progress_bar"]
 
 CPU_MODELS: dict[str, LlamaConfig] = {
-    "llama-tiny": LlamaConfig(layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=4, vocab=64),
+    "llama-tiny": LlamaConfig(layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=4, vocab=256),
     "llama-small": LlamaConfig(layers=4, hidden=128, ffn_hidden=256, heads=4, kv_heads=4, vocab=512),
 }
 """LLaMA-style models sized for CPU runs: ``llama-small`` runs a step in about a second per core."""
@@ -208,14 +208,6 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
         run((total,), hooks)
         saved.append((total, sum(hooks.values())))
     return {"times": times, "saved": saved}
-
-
-def progress_bar(label: str, done: int, total: int, width: int = 30) -> None:
-    """A one-line progress bar on stderr."""
-    filled = int(width * done / max(1, total))
-    end = "\n" if done >= total else ""
-    print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
-          flush=True)
 
 
 def fit_nonnegative(features: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:

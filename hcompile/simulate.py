@@ -5,7 +5,6 @@ dataset on a simulated cluster, with the cost model's estimates. Used by ``hcomp
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from hcompile.progress import progress_bar
 from passes.cost_model import (HCOMPILE_RUNTIME, MEMORY_MODELS, Profile, build_cost_model, default_optimizer_layout,
                                load_profile, load_profile_file)
 from passes.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
@@ -235,7 +235,5 @@ def format_report(report: PlanReport) -> str:
 
 
 def stderr_progress(done: int, total: int) -> None:
-    """A one-line progress counter on stderr when it is a terminal."""
-    if sys.stderr.isatty():
-        end = "\n" if done == total else ""
-        print(f"\rplanning step {done}/{total}", end=end, file=sys.stderr, flush=True)
+    """A progress bar of the planned steps on stderr."""
+    progress_bar("planning steps", done, total)

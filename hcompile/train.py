@@ -329,8 +329,9 @@ class Trainer:
             self._service.set_cost_model(self.calibration.model())
         return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
 
-    def save(self, path: str, step: int, data_position: int) -> None:
-        """Checkpoint the fixed layout, optimiser state, step and data position (collective, atomic)."""
+    def save(self, path: str, step: int, data_position: Any) -> None:
+        """Checkpoint the fixed layout, optimiser state, step and data position (collective, atomic).
+        ``data_position``: anything JSON holds, e.g. ``TokenBatches.state_dict()``."""
         save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position)
 
     def load(self, path: str) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ def _barrier() -> None:
 
 
 def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: int, extra: dict | None = None) -> None:
+                    data_position: Any, extra: dict | None = None) -> None:
     """Collective: every rank writes its shard; rank 0 publishes the folder."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.e2e import FIELDS, E2EConfig, format_cost_model, main, scale_dataset
+from benchmarks.e2e import FIELDS, E2EConfig, format_cost_model, main, scale_dataset, text_batches
 from passes.datasets import load_dataset
 from passes.ir import PlanError
 
@@ -16,12 +16,27 @@ def test_scale_dataset_keeps_counts_and_hits_the_context():
     assert scaled.max_len == 1024 and scaled.num_seqs == data.num_seqs and min(scaled.lengths) >= 1
 
 
+def test_text_batches_are_real_bytes_within_the_budget():
+    from hcompile.data import python_stdlib
+
+    cfg = E2EConfig(model="llama-tiny", context=128, max_tokens=64, global_tokens=256, steps=2, warmup=1)
+    data, batches = text_batches(cfg)
+    assert len(batches) == 3 and data.max_len <= 128 and data.num_seqs > 1000
+    for batch in batches:
+        assert sum(map(len, batch)) <= 256 and all(0 <= t < 256 for seq in batch for t in seq)
+    text = bytes(t for seq in batches[0] for t in seq).decode("utf-8", errors="replace")
+    assert any(word in text for word in ("def ", "class ", "return", "self")), text[:200]
+    assert python_stdlib()
+
+
 def test_smoke_json_has_every_field(tmp_path, capsys):
     out = tmp_path / "results"
     assert main(["--smoke", "--ranks", "2", "--json", "--no-plots", "--out", str(out),
                  "--policy", "hydraulis", "--policy", "homogeneous-token"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["config"]["steps"] == 2 and summary["config"]["model"] == "llama-tiny"
+    assert summary["config"]["dataset"] == "stdlib"  # real text by default
+    assert summary["loss_spread"] < 1e-4  # the same batches, exact gradients: the loss curves coincide
     assert set(summary["policies"]) == {"hydraulis", "homogeneous-token"}
     for name, metrics in summary["policies"].items():
         assert set(FIELDS) <= set(metrics), name
@@ -43,7 +58,9 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "gpt-huge"], "gpt-huge"),
     (["--dataset", "wikipedia"], "wikipedia"),
-    (["--max-tokens", "64", "--context", "1048576", "--cost", "analytic"], "shortest sequence"),
+    (["--dataset", "python-code", "--max-tokens", "64", "--context", "1048576", "--cost", "analytic"],
+     "shortest sequence"),
+    (["--context", "8192", "--cost", "analytic"], "more than the batch budget 4096"),
     (["--max-tokens", "64", "--context", "4096", "--max-tp", "4", "--cost", "analytic"], "longest sequence"),
     (["--ranks", "100000"], "more than this machine can start"),
     (["--policy", "magic"], "magic"),

@@ -1,0 +1,142 @@
+"""hcompile.data: corpora of text files, JSON lines and parquet, byte and Hugging Face tokenizers, global batches
+by token budget that are deterministic, cover each epoch's documents exactly once, and resume exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hcompile.data import ByteTokenizer, Corpus, DataError, HFTokenizer, TokenBatches, python_stdlib
+
+
+def _corpus(tmp_path) -> Corpus:
+    (tmp_path / "a.txt").write_text("hello world, " * 30)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("short")
+    rows = [{"text": f"row {i} " * (i + 1)} for i in range(12)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (tmp_path / "d.py").write_text("import os\n\ndef f(x):\n    return x\n\nclass C:\n    def m(self):\n        pass\n")
+    return Corpus.from_paths(tmp_path, split_python=True)
+
+
+def test_corpus_reads_files_rows_and_python_definitions(tmp_path):
+    corpus = _corpus(tmp_path)
+    texts = corpus.documents
+    assert len(corpus) == 1 + 12 + 4 + 1  # a.txt; 12 rows; d.py: the preamble, f, class C, m; sub/b.md
+    assert texts[0].startswith("hello") and texts[1] == "row 0 " and texts[13].startswith("import os")
+    assert any(t.lstrip().startswith("def m") for t in texts) and texts[-1] == "short"
+
+
+def test_parquet_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["one", "two two", None]}), tmp_path / "x.parquet")
+    assert Corpus.from_paths(tmp_path / "x.parquet", text_field="content").documents == ["one", "two two"]
+
+
+def test_bad_corpora_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        Corpus.from_paths(tmp_path / "nope")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2 is not JSON"):
+        Corpus.from_paths(bad)
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1 has no text field 'text'"):
+        Corpus.from_paths(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no text"):
+        Corpus.from_paths(tmp_path / "empty")
+
+
+def _all(batches: TokenBatches, n: int) -> list[list[torch.Tensor]]:
+    return [batches.next_batch() for _ in range(n)]
+
+
+def test_batches_respect_the_budget_and_cover_each_document_once(tmp_path):
+    corpus = _corpus(tmp_path)
+    data = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=100, max_len=40, seed=3, min_len=1)
+    seen = []
+    while data.epoch == 0:
+        batch = data.next_batch()
+        assert sum(len(s) for s in batch) <= 100 and all(1 <= len(s) <= 40 for s in batch)
+        assert all(s.dtype == torch.long for s in batch)
+        seen += [t for s in batch for t in s.tolist()]
+    order = data._order(0)
+    want = [t for i in order for t in ByteTokenizer().encode(corpus.text(int(i)))]
+    assert seen == want  # every token of the epoch, once, in the shuffled document order
+
+
+def test_seeded_deterministic_and_resumable(tmp_path):
+    corpus = _corpus(tmp_path)
+
+    def make(seed):
+        return TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=64, max_len=32, seed=seed)
+
+    a, b, c = make(0), make(0), make(1)
+    first = _all(a, 5)
+    assert [[s.tolist() for s in x] for x in first] == [[s.tolist() for s in x] for x in _all(b, 5)]
+    assert [[s.tolist() for s in x] for x in _all(c, 5)] != [[s.tolist() for s in x] for x in first]
+    position = json.loads(json.dumps(a.state_dict()))  # what a checkpoint keeps
+    expected = _all(a, 7)
+    resumed = make(0)
+    resumed.load_state_dict(position)
+    assert [[s.tolist() for s in x] for x in _all(resumed, 7)] == [[s.tolist() for s in x] for x in expected]
+    with pytest.raises(DataError, match="not of this corpus"):
+        make(1).load_state_dict(position)
+    with pytest.raises(DataError, match="not a data position"):
+        make(0).load_state_dict({"epoch": 0})
+    with pytest.raises(DataError, match="max_len 99 is more than the batch budget 64"):
+        TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=64, max_len=99)
+
+
+def test_a_hugging_face_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, ",": 3}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok = HFTokenizer(transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]"))
+    assert tok.vocab_size == 4 and tok.encode("hello world, again") == [1, 2, 3, 0]
+    data = TokenBatches(_corpus(tmp_path), tok, tokens_per_batch=50, max_len=10)
+    assert all(int(s.max()) < 4 for s in data.next_batch())
+    with pytest.raises(DataError, match="encode method"):
+        HFTokenizer(object())
+
+
+def test_the_python_standard_library_is_a_corpus():
+    files = python_stdlib()
+    assert len(files) > 100 and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+
+
+def _resume(rank, world, ckpt):
+    import hcompile
+    from hcompile.models import Llama, LlamaConfig, init_weights_
+
+    def trainer():
+        return hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=256)), seed=0), loss="causal_lm",
+                                optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3}, max_tokens=128,
+                                strategies=["2x(tp1)"], calibrate=False)
+
+    def batches():
+        return TokenBatches(Corpus.from_paths(python_stdlib()[:40], split_python=True), ByteTokenizer(),
+                            tokens_per_batch=256, max_len=128, seed=5)
+
+    first, data = trainer(), batches()
+    losses = [first.train_step(data.next_batch()).loss for _ in range(2)]
+    first.save(ckpt, step=2, data_position=data.state_dict())
+    uninterrupted = [first.train_step(data.next_batch()).loss for _ in range(2)]
+    second, resumed = trainer(), batches()
+    meta = second.load(ckpt)
+    resumed.load_state_dict(meta["data_position"])
+    return losses, uninterrupted, [second.train_step(resumed.next_batch()).loss for _ in range(2)], meta["step"]
+
+
+def test_a_resumed_run_sees_the_same_batches(tmp_path):
+    from dist_util import run_ranks
+
+    for _, uninterrupted, resumed, step in run_ranks(2, tmp_path, _resume, str(tmp_path / "ckpt")):
+        assert step == 2 and resumed == uninterrupted
