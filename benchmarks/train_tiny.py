@@ -1,45 +1,70 @@
-"""A complete training script, the way users write one:
+"""A complete training script, the way users write one: an unmodified Hugging Face model, real text, a loss
+that falls.
 
-    hcompile launch --nproc 4 benchmarks/train_tiny.py --steps 5
-    torchrun --nproc-per-node 4 benchmarks/train_tiny.py      # the same under torchrun
+    python benchmarks/train_tiny.py                                 # one process: a world of one
+    hcompile launch --nproc 4 benchmarks/train_tiny.py --steps 30   # 4 local ranks (gloo)
+    torchrun --nproc-per-node 4 benchmarks/train_tiny.py           # the same under torchrun
 
-Every rank builds the same tiny LLaMA-style model and the same global batches (lengths drawn from the
-real python-code histogram, scaled to the model's context); the planner chooses a strategy per step.
+Every rank builds the same small ``transformers.LlamaForCausalLM`` (sdpa attention, grouped-query heads) and
+reads the same global batches: the running Python's standard library sources, one document per function or
+class, as byte tokens, shuffled with a fixed seed. The planner picks a heterogeneous strategy per step; a
+checkpoint (``--save``) keeps the data position, so ``--resume`` continues with the very next batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
-import numpy as np
 import torch
 
 import hcompile
-from hcompile.models import Llama, LlamaConfig, init_weights_
-from passes.datasets import load_dataset, sample_batches
+from hcompile.data import ByteTokenizer, Corpus, TokenBatches, python_stdlib
+from passes.datasets import LengthDataset
+
+
+def build_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per global batch")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per global batch")
     parser.add_argument("--max-tokens", type=int, default=256, help="per-rank token cap")
+    parser.add_argument("--save", help="checkpoint folder written after the last step")
+    parser.add_argument("--resume", help="checkpoint folder to continue from")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=128)
-    model = hcompile.compile(init_weights_(Llama(cfg), seed=0), loss="causal_lm", optimizer=torch.optim.AdamW,
-                             optimizer_kwargs={"lr": 1e-3}, strategies="auto", max_tokens=args.max_tokens)
-    data = load_dataset("python-code")
-    scale = 4 * args.max_tokens / data.max_len  # the longest file needs every rank's memory
-    lengths = sample_batches(data, int(args.tokens / scale), args.steps, seed=0)
-    rng = np.random.default_rng(0)
-    batches = [[torch.from_numpy(rng.integers(0, cfg.vocab, max(2, int(n * scale)))) for n in step]
-               for step in lengths]
-    for i, batch in enumerate(batches):
-        stats = model.train_step(batch, next_batch=batches[i + 1] if i + 1 < len(batches) else None)
+    corpus = Corpus.from_paths(python_stdlib(), split_python=True)
+    # documents longer than two ranks' cap are cut: the longest need a tp2 replica, most fit one rank
+    ranks = int(os.environ.get("WORLD_SIZE", 1))  # what the launcher starts; a plain process is one rank
+    data = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=args.tokens, max_len=min(2, ranks) * args.max_tokens,
+                        seed=0)
+    lengths = LengthDataset.from_lengths("stdlib", [len(s) for doc in corpus.documents for s in data.sequences(doc)])
+    trainer = hcompile.compile(build_model(), loss="causal_lm", optimizer=torch.optim.AdamW,
+                               optimizer_kwargs={"lr": 3e-3}, strategies="auto", max_tokens=args.max_tokens,
+                               dataset=lengths)  # the strategy pool is built from the data's lengths
+    start = 0
+    if args.resume:
+        meta = trainer.load(args.resume)
+        data.load_state_dict(meta["data_position"])
+        start = meta["step"]
+    position, batch = data.state_dict(), data.next_batch()
+    for step in range(start, start + args.steps):
+        upcoming_position, upcoming = data.state_dict(), data.next_batch()  # planned while this step runs
+        stats = trainer.train_step(batch, next_batch=upcoming)
         if torch.distributed.get_rank() == 0:
-            print(f"step {i}: loss {stats.loss:.4f} tokens {stats.tokens} strategy {stats.strategy} "
-                  f"busy ms per rank {[round(b) for b in stats.busy_ms]}", flush=True)
+            print(f"step {step}: loss {stats.loss:.4f}  {stats.tokens} tokens in {len(batch)} sequences  "
+                  f"{stats.strategy}", flush=True)
+        position, batch = upcoming_position, upcoming
+    if args.save:  # the position of the first batch not trained on
+        trainer.save(args.save, step=start + args.steps, data_position=position)
     torch.distributed.destroy_process_group()
 
 
