@@ -60,6 +60,10 @@ class E2EConfig:
     harness ran before it had real text)."""
     context: int = 1024
     """The longest sequence, in tokens."""
+    long_documents: str = "drop"
+    """With ``stdlib``: a document longer than ``context`` is left out (``drop``: 8% of the documents; the
+    lengths keep their long tail) or cut into pieces of ``context`` (``split``: 13% of the sequences are then
+    exactly ``context`` tokens long)."""
     ranks: int = 4
     """Local ranks (gloo on CPU)."""
     max_tokens: int = 768
@@ -108,6 +112,8 @@ class E2EConfig:
             raise PlanError(f"{self.ranks} ranks are more than this machine can start (at most {max_local_ranks()})")
         if not self.policies or any(p not in POLICIES for p in self.policies):
             raise PlanError(f"unknown policy in {list(self.policies)!r}; known: {', '.join(POLICIES)}")
+        if self.long_documents not in ("drop", "split"):
+            raise PlanError(f"long_documents must be 'drop' or 'split', got {self.long_documents!r}")
         if self.take_turns not in ("auto", "on", "off"):
             raise PlanError(f"take_turns must be 'auto', 'on' or 'off', got {self.take_turns!r}")
         if self.cost not in ("profile", "analytic") and not Path(self.cost).is_file():
@@ -179,7 +185,7 @@ def text_batches(cfg: E2EConfig) -> tuple[LengthDataset, list[list[list[int]]]]:
     and the first ``warmup + steps`` global batches of ``global_tokens``."""
     corpus = Corpus.from_paths(python_stdlib(), split_python=True)
     data = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=cfg.global_tokens, max_len=cfg.context,
-                        seed=cfg.seed)
+                        seed=cfg.seed, long_documents=cfg.long_documents)
     lengths = [len(s) for doc in corpus.documents for s in data.sequences(doc)]
     batches = [[s.tolist() for s in data.next_batch()] for _ in range(cfg.warmup + cfg.steps)]
     return LengthDataset.from_lengths(f"{TEXT_DATASET}@{cfg.context}", lengths), batches
@@ -324,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"stdlib (real text: this Python's standard library, byte tokens) or a length dataset with "
                         f"random tokens: {', '.join(PRESET_DATASETS)} ({d.dataset})")
     p.add_argument("--context", type=int, default=d.context, help=f"longest sequence in tokens ({d.context})")
+    p.add_argument("--long-documents", choices=("drop", "split"), default=d.long_documents,
+                   help=f"stdlib documents longer than the context: left out or cut into pieces ({d.long_documents})")
     p.add_argument("--ranks", type=int, default=d.ranks, help=f"local ranks ({d.ranks})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"per-rank token cap ({d.max_tokens})")
     p.add_argument("--global-tokens", type=int, default=d.global_tokens, help=f"tokens per step ({d.global_tokens})")
@@ -348,10 +356,12 @@ def config_from_args(args: argparse.Namespace) -> E2EConfig:
     """The run's config; ``--smoke`` replaces the sizes with a seconds-long run."""
     policies = tuple(args.policies or DEFAULT_POLICIES)
     if args.smoke:
-        return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, ranks=args.ranks, max_tokens=64,
+        return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, long_documents=args.long_documents,
+                         ranks=args.ranks, max_tokens=64,
                          global_tokens=256, steps=2, warmup=1, max_tp=2, policies=policies, cost="analytic",
                          seed=args.seed, take_turns=args.take_turns)
-    return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, ranks=args.ranks,
+    return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, long_documents=args.long_documents,
+                     ranks=args.ranks,
                      max_tokens=args.max_tokens, global_tokens=args.global_tokens, steps=args.steps,
                      warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed,
                      take_turns=args.take_turns)
@@ -378,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_table(summary))
         print(format_cost_model(summary))
-        print(f"loss: {summary['loss_drop']:+.3f} from the first to the last measured step; the policies' curves "
-              f"differ by at most {100 * summary['loss_spread']:.4f}% (the same batches, exact gradients)")
+        print(f"loss: falls by {summary['loss_drop']:.3f} from the first to the last measured step; the policies' "
+              f"curves differ by at most {summary['loss_spread']:.1e} of the loss (the same batches, exact gradients)")
         print(f"JSON lines: {out / 'e2e.jsonl'}")
         for path in plots:
             print(f"plot: {path}")

@@ -143,7 +143,12 @@ class TokenBatches:
     """Global batches of whole sequences by token budget, deterministic from ``seed``; iterable, resumable."""
 
     def __init__(self, corpus: Corpus, tokenizer: Tokenizer, *, tokens_per_batch: int, max_len: int, seed: int = 0,
-                 min_len: int = 2):
+                 min_len: int = 2, long_documents: str = "split"):
+        """``long_documents``: a document of more than ``max_len`` tokens is cut into pieces (``split``) or
+        left out (``drop``)."""
+        if long_documents not in ("split", "drop"):
+            raise DataError(f"long_documents must be 'split' or 'drop', got {long_documents!r}")
+        self.long_documents = long_documents
         for name, value in (("tokens_per_batch", tokens_per_batch), ("max_len", max_len), ("min_len", min_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DataError(f"{name} must be a positive integer, got {value!r}")
@@ -179,11 +184,13 @@ class TokenBatches:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus))
 
     def sequences(self, text: str) -> list[list[int]]:
-        """The sequences a document becomes: its tokens in pieces of at most ``max_len``, pieces shorter than
-        ``min_len`` left out."""
+        """The sequences a document becomes: its tokens in pieces of at most ``max_len`` (none when it is longer
+        and long documents are dropped), pieces shorter than ``min_len`` left out."""
         ids = self.tokenizer.encode(text)
         if ids and max(ids) >= self.tokenizer.vocab_size:
             raise DataError(f"the tokenizer gave id {max(ids)} >= its vocab_size {self.tokenizer.vocab_size}")
+        if len(ids) > self.max_len and self.long_documents == "drop":
+            return []
         pieces = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
         return [p for p in pieces if len(p) >= self.min_len]
 
