@@ -140,3 +140,14 @@ def test_a_resumed_run_sees_the_same_batches(tmp_path):
 
     for _, uninterrupted, resumed, step in run_ranks(2, tmp_path, _resume, str(tmp_path / "ckpt")):
         assert step == 2 and resumed == uninterrupted
+
+
+def test_long_documents_split_or_dropped(tmp_path):
+    corpus = Corpus(["x" * 10, "y" * 3, "z" * 25])
+    split = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=100, max_len=8)
+    dropped = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=100, max_len=8, long_documents="drop")
+    assert [len(s) for s in split.sequences("z" * 25)] == [8, 8, 8]  # the last piece of 1 is under min_len
+    assert dropped.sequences("z" * 25) == [] and [len(s) for s in dropped.sequences("y" * 3)] == [3]
+    assert {len(s) for s in dropped.next_batch()} == {3}  # only y, epoch after epoch, up to the budget
+    with pytest.raises(DataError, match="long_documents must be 'split' or 'drop', got 'cut'"):
+        TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=100, max_len=8, long_documents="cut")
