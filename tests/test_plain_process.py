@@ -45,4 +45,4 @@ def test_a_plain_process_is_a_world_of_one(tmp_path):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        assert got == pytest.approx(float(loss), rel=1e-5)
+        assert got == pytest.approx(float(loss.detach()), rel=1e-5)
