@@ -103,8 +103,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from hcompile.files import check_output_path, write_text_atomically
     from hcompile.profile import ProfileJob, format_profile, run_profile
     from hcompile.spawn import RankError
 
@@ -113,12 +112,13 @@ def _run_profile(args: argparse.Namespace) -> int:
     else:
         job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), max_tokens=args.max_tokens,
                          repeats=args.repeats, gpus=args.gpus, seed=args.seed)
+    check_output_path(args.out, "--out")  # before minutes of profiling
     try:
         report = run_profile(job)
     except RankError as exc:
         print(f"hcompile profile: error: {exc}", file=sys.stderr)
         return 1
-    Path(args.out).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    write_text_atomically(args.out, json.dumps(report.to_json(), indent=1) + "\n")
     print(format_profile(report, args.out))
     return 0
 

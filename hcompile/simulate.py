@@ -4,14 +4,13 @@ dataset on a simulated cluster, with the cost model's estimates. Used by ``hcomp
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from hcompile.files import check_output_path, write_text_atomically
 from hcompile.progress import progress_bar
 from passes.cost_model import (HCOMPILE_RUNTIME, MEMORY_MODELS, Profile, build_cost_model, default_optimizer_layout,
                                load_profile, load_profile_file)
@@ -62,6 +61,8 @@ class PlanJob:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise PlanError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not self.policies:
             raise PlanError("at least one policy is needed")
         for policy in self.policies:
@@ -171,7 +172,9 @@ def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
 
 def run_plan_job(job: PlanJob, plans_out: str | None = None,
                  progress: Callable[[int, int], None] | None = None) -> tuple[PlanReport, list[StepPlan]]:
-    """Plan every step with every policy; write ``plans_out`` (JSON lines) atomically at the end."""
+    """Plan every step with every policy; write ``plans_out`` (JSON lines, checked first) atomically at the end."""
+    if plans_out is not None:
+        check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job)
     plans: list[StepPlan] = []
     per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
@@ -191,22 +194,9 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,
                         lower_bound_ms=bounds, cost_model=planner.cost_model, results=results)
     if plans_out is not None:
-        _write_atomically(plans_out, [p.to_json(step=i // len(job.policies)) for i, p in enumerate(plans)])
+        write_text_atomically(plans_out, "\n".join(p.to_json(step=i // len(job.policies)) for i, p in enumerate(plans))
+                              + "\n")
     return report, plans
-
-
-def _write_atomically(path: str, lines: list[str]) -> None:
-    target = Path(path)
-    if target.parent and not target.parent.exists():
-        raise PlanError(f"cannot write {path!r}: folder {str(target.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def format_report(report: PlanReport) -> str:

@@ -143,29 +143,60 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict, name: str | None = None) -> "Profile":
-        """Parse the JSON form of ``shared/data/profiles`` (and of ``hcompile profile`` output)."""
+        """Parse the JSON form of ``shared/data/profiles`` (and of ``hcompile profile`` output); a missing or
+        malformed field is a :class:`PlanError` that names it."""
+        label = name or "?"
         try:
             model, hw, mem = data["model"], data["hardware"], data["memory"]
+            table = mem["activation_bytes_per_token_hidden_layer"]
+            if not isinstance(table, dict):
+                raise PlanError(f"profile {label}: activation_bytes_per_token_hidden_layer must be an object "
+                                f"{{tp: bytes}}, got {type(table).__name__}")
             coefficients = tuple(
-                (ParallelScheme(tp=int(s["tp"]), pp=int(s["pp"]), cp=int(s.get("cp", 1))),
+                (ParallelScheme(tp=_whole(s["tp"], "tp", label), pp=_whole(s["pp"], "pp", label),
+                                cp=_whole(s.get("cp", 1), "cp", label)),
                  float(s["a"]), float(s["b"]), float(s["c"]))
                 for s in data["schemes"]
             )
             return cls(
                 name=name or f"{model['name']}@{hw.get('name', hw.get('gpu', 'unknown'))}",
-                layers=int(model["layers"]), hidden=int(model["hidden"]), vocab=int(model["vocab"]),
-                gpus_per_node=int(hw["gpus_per_node"]),
-                memory_bound_mib=float(hw["memory_bound_mib"]),
-                reserved_mib=float(hw["reserved_mib_per_gpu"]),
-                safety_gib=float(mem["safety_margin_gib"]),
-                state_bytes_per_h2_layer=float(mem["state_bytes_per_hidden2_layer"]),
-                shardable_fraction=float(data["optimizer_shardable_fraction"]),
-                activation_bytes=tuple(sorted((int(k), float(v)) for k, v in
-                                              mem["activation_bytes_per_token_hidden_layer"].items())),
+                layers=_whole(model["layers"], "layers", label), hidden=_whole(model["hidden"], "hidden", label),
+                vocab=_whole(model["vocab"], "vocab", label),
+                gpus_per_node=_whole(hw["gpus_per_node"], "gpus_per_node", label),
+                memory_bound_mib=_finite(hw["memory_bound_mib"], "memory_bound_mib", label),
+                reserved_mib=_finite(hw["reserved_mib_per_gpu"], "reserved_mib_per_gpu", label),
+                safety_gib=_finite(mem["safety_margin_gib"], "safety_margin_gib", label),
+                state_bytes_per_h2_layer=_finite(mem["state_bytes_per_hidden2_layer"], "state_bytes_per_hidden2_layer",
+                                                 label, positive=True),
+                shardable_fraction=_finite(data["optimizer_shardable_fraction"], "optimizer_shardable_fraction",
+                                           label),
+                activation_bytes=tuple(sorted((_whole(k, "activation table tp", label),
+                                               _finite(v, f"activation bytes of tp {k}", label, positive=True))
+                                              for k, v in table.items())),
                 coefficients=coefficients,
             )
-        except (KeyError, TypeError) as exc:
-            raise PlanError(f"profile {name or '?'} is missing or has a malformed field: {exc}") from None
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"profile {label} is missing or has a malformed field: {exc!r}") from None
+
+
+def _whole(value: object, field: str, where: str) -> int:
+    """A positive integer given as a JSON integer or an integral string."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"profile {where}: {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _finite(value: object, field: str, where: str, positive: bool = False) -> float:
+    """A finite number (>= 0, or > 0 when ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise PlanError(f"profile {where}: {field} must be a finite number {bound}, got {value!r}")
+    return float(value)
 
 
 def load_profile(model: str, hardware: str = "a800-80g") -> Profile:
@@ -182,10 +213,14 @@ def load_profile(model: str, hardware: str = "a800-80g") -> Profile:
 def load_profile_file(path: str | Path) -> Profile:
     """A profile JSON written by ``hcompile profile`` or in the presets' format."""
     path = Path(path)
+    if path.is_dir():
+        raise PlanError(f"profile file {str(path)!r} is a folder, expected a JSON file")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise PlanError(f"profile file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"profile file {str(path)!r} is not a text file") from None
     except json.JSONDecodeError as exc:
         raise PlanError(f"profile file {str(path)!r} is not valid JSON: {exc}") from None
     return Profile.from_dict(data, name=path.stem)

@@ -23,6 +23,10 @@ __all__ = ["LengthDataset", "PRESET_DATASETS", "load_dataset", "read_lengths_fil
 PRESET_DATASETS = ("commoncrawl", "github", "python-code")
 
 
+MAX_SEQUENCES = 10_000_000
+"""Most sequences a length dataset may hold: sampling expands the histogram (8 bytes per sequence)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LengthDataset:
     """A histogram of sequence lengths."""
@@ -46,6 +50,9 @@ class LengthDataset:
         for count in self.counts:
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise PlanError(f"dataset {self.name!r}: a count must be a positive integer, got {count!r}")
+        if sum(self.counts) > MAX_SEQUENCES:
+            raise PlanError(f"dataset {self.name!r} holds {sum(self.counts)} sequences (largest count "
+                            f"{max(self.counts)}); at most {MAX_SEQUENCES} are supported")
 
     @property
     def max_len(self) -> int:
