@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import fx
 
 from hcompile.api import CompiledModel
-from passes.analyze import Hardware, analytic_cost_model, analyze_graph
+from passes.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
 from passes.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
 from passes.datasets import LengthDataset
 from passes.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
@@ -26,6 +26,7 @@ from passes.plan_policies import POLICIES, Planner, sized_homogeneous
 from passes.plan_pool import build_pool
 from passes.tensor_parallel import ParamSlice, split_dims
 from passes.variant import TokenBuckets, Variant, VariantKey, build_variant
+from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
@@ -249,6 +250,8 @@ class Trainer:
         """The compute copies' dtype (the master weights and optimiser state stay fp32)."""
         self.provider = CompiledProvider(compiled, buckets, self.param_dtype, self.ctx.device)
         self.layout = _layout(self.provider, self.ctx, init=init, state_dict=state_dict)
+        self.vocab_size = token_vocab(self.provider.captured(ANALYSIS_TOKENS).graph_module)
+        """Token ids of a batch must be below it (None: the graph's token table was not found; unchecked)."""
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider,
@@ -313,7 +316,9 @@ class Trainer:
                    next_batch: Sequence[torch.Tensor] | None = None) -> StepStats:
         """Train on one global batch (the same list of 1-D token tensors on every rank). ``strategy`` forces
         one; ``next_batch`` lets rank 0 plan the next step while this one runs."""
-        seq_lens = _check_batch(batch)
+        seq_lens = agree_on_batch(batch, self.vocab_size, self.ctx.device)  # before any other collective
+        if next_batch is not None:
+            agree_on_batch(next_batch, self.vocab_size, self.ctx.device)
         if self._submitted != (tuple(seq_lens), strategy):
             if self._submitted is not None:
                 self._service.take()  # a stale prefetch: drain it so every rank stays in step
@@ -321,7 +326,7 @@ class Trainer:
         self._submitted = None
         planned = self._service.take()
         if next_batch is not None:
-            self._submit(_check_batch(next_batch), None)
+            self._submit([int(t.numel()) for t in next_batch], None)
         self.last_plan = planned
         stats = self.executor.run_step(planned.plan, [t.to(self.ctx.device) for t in batch])
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model
@@ -380,16 +385,6 @@ def _dry_plan(strategy: Strategy, lens: list[int], cluster: Cluster) -> StepPlan
 
 def _bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _check_batch(batch: Sequence[torch.Tensor]) -> list[int]:
-    if not isinstance(batch, (list, tuple)) or not batch:
-        raise ValueError("a global batch is a non-empty list of 1-D token tensors")
-    for i, t in enumerate(batch):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 1 or t.dtype not in (torch.long, torch.int):
-            raise ValueError(f"sequence {i} of the batch must be a non-empty 1-D integer tensor, got "
-                             f"{type(t).__name__} {getattr(t, 'shape', '')}")
-    return [int(t.numel()) for t in batch]
 
 
 def _context() -> DistContext:

@@ -34,6 +34,7 @@ __all__ = [
     "analytic_cost_model",
     "node_flops",
     "SDPA_TARGETS",
+    "token_vocab",
 ]
 
 
@@ -173,6 +174,20 @@ def attention_sites(gm: fx.GraphModule) -> tuple[AttentionSite, ...]:
         sites.append(AttentionSite(node=node.name, module=_module_path(node), heads=int(q.shape[head_axis]),
                                    kv_heads=int(k.shape[head_axis]), head_dim=int(q.shape[-1]), causal=causal))
     return tuple(sites)
+
+
+def token_vocab(gm: fx.GraphModule) -> int | None:
+    """Rows of the table the graph's first input is looked up in (the token embedding), or None."""
+    ids = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    frontier = list(ids.users) if ids is not None else []
+    while frontier:  # through views of the ids (GPT-2 reshapes them first)
+        node = frontier.pop(0)
+        if node.op == "call_function" and node.target is F.embedding:
+            weight = _val(node.args[1])
+            return int(weight.shape[0]) if weight is not None else None
+        if classify_node(node) is OpClass.VIEW:
+            frontier.extend(node.users)
+    return None
 
 
 def node_flops(node: fx.Node) -> tuple[float, float]:

@@ -1,0 +1,76 @@
+"""Before a step touches anything: every rank holds a well-formed global batch, and the same one.
+
+Owns :func:`agree_on_batch`. Each rank checks its batch locally (a non-empty list of non-empty 1-D integer
+tensors, token ids in [0, vocab)), then the ranks exchange one small digest each (the status, the number of
+sequences, the tokens, a checksum of the ids and their positions). When every rank is well formed and every
+digest equals rank 0's, the step goes on; otherwise the ranks exchange their messages and every rank raises
+the same :class:`BatchError`, before any other collective of the step and before any state changes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BatchError", "agree_on_batch", "local_batch_problem"]
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+class BatchError(ValueError):
+    """A global batch that is malformed on some rank, or not the same on every rank; the same on every rank."""
+
+
+def local_batch_problem(batch: object, vocab_size: int | None) -> str | None:
+    """What is wrong with this rank's batch (None when nothing is)."""
+    if not isinstance(batch, (list, tuple)) or not batch:
+        return f"a global batch is a non-empty list of 1-D token tensors, got {type(batch).__name__}"
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 1 or t.dtype not in _INT_DTYPES:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else ""
+            dtype = t.dtype if isinstance(t, torch.Tensor) else ""
+            return (f"sequence {i} of the batch must be a non-empty 1-D integer tensor, got {type(t).__name__} "
+                    f"{shape} {dtype}".rstrip())
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad = low if low < 0 else high
+            return f"sequence {i} holds token id {bad}, outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def _digest(batch: Sequence[torch.Tensor], problem: str | None) -> torch.Tensor:
+    if problem is not None:
+        return torch.tensor([1, 0, 0, 0], dtype=torch.int64)
+    ids = torch.cat([t.to(torch.int64) for t in batch])
+    weights = torch.arange(ids.numel(), dtype=torch.int64) % 1_000_003 + 1
+    lengths = torch.tensor([len(t) for t in batch], dtype=torch.int64)
+    checksum = int(((ids + 1) * weights).sum()) ^ int((lengths * torch.arange(1, len(batch) + 1)).sum())
+    return torch.tensor([0, len(batch), ids.numel(), checksum], dtype=torch.int64)
+
+
+def agree_on_batch(batch: object, vocab_size: int | None, device: torch.device | None = None) -> list[int]:
+    """The sequence lengths of ``batch``, once every rank holds the same well-formed batch (collective when
+    the job has more than one rank); otherwise the same :class:`BatchError` on every rank."""
+    problem = local_batch_problem(batch, vocab_size)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        if problem:
+            raise BatchError(problem)
+        return [int(t.numel()) for t in batch]
+    mine = _digest(batch, problem).to(device or torch.device("cpu"))
+    digests = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(digests, mine)
+    rows = [d.cpu().tolist() for d in digests]
+    if all(r[0] == 0 for r in rows) and all(r == rows[0] for r in rows):
+        return [int(t.numel()) for t in batch]
+    messages: list = [None] * world
+    dist.all_gather_object(messages, problem)
+    for rank, (row, message) in enumerate(zip(rows, messages)):
+        if message is not None:
+            raise BatchError(f"rank {rank}: {message}")
+    differs = next(r for r, row in enumerate(rows) if row != rows[0])
+    raise BatchError(f"rank {differs} was given another global batch than rank 0 ({rows[differs][1]} sequences, "
+                     f"{rows[differs][2]} tokens against {rows[0][1]}, {rows[0][2]}, or other token ids): every "
+                     "rank must pass the same batch")
