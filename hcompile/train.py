@@ -32,7 +32,7 @@ from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
 from runtime.executor import Executor, StepStats
 from runtime.fixed_layout import FixedLayout, Init
-from runtime.planning import PlanService
+from runtime.planning import DEFAULT_PLAN_TIMEOUT_S, PlanService
 from runtime.topology import Cluster, place
 
 __all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens"]
@@ -77,6 +77,8 @@ class TrainOptions:
     float32 on the CPU. Master weights and optimiser state are float32 whatever it is."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype gradients travel to their owners in (summed there in float32)."""
+    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S
+    """How long a step waits for rank 0's plan before every rank raises ``PlanTimeout``."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -287,7 +289,8 @@ class Trainer:
             else:
                 pool = [Strategy.parse(s) for s in self.options.strategies]
             planner = Planner(self.cost_model, self.ctx.world_size, pool, fixed)
-            self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock)
+            self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
+                                        timeout_s=self.options.plan_timeout_s)
             self.warm_up([*pool, fixed])
         return self._service
 

@@ -3,6 +3,7 @@ broadcasts the plan so that every rank runs the same one."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -13,7 +14,14 @@ from passes.ir import CostModel, PlanError, StepPlan, Strategy
 from passes.plan_policies import Planner
 from runtime.cpu_clock import RankCpuClock
 
-__all__ = ["PlanService", "PlannedStep"]
+__all__ = ["PlanService", "PlannedStep", "PlanTimeout", "DEFAULT_PLAN_TIMEOUT_S"]
+
+DEFAULT_PLAN_TIMEOUT_S = float(os.environ.get("HCOMPILE_PLAN_TIMEOUT_S", 120.0))
+"""How long a step waits for its plan (env ``HCOMPILE_PLAN_TIMEOUT_S``)."""
+
+
+class PlanTimeout(RuntimeError):
+    """Planning did not finish in time; raised on every rank."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,8 +39,13 @@ class PlannedStep:
 class PlanService:
     """``submit`` the next batch's lengths as soon as they are known; ``take`` the plan when it is needed."""
 
-    def __init__(self, planner: Planner, rank: int, policy: str = "hydraulis", cpu_clock: RankCpuClock | None = None):
+    def __init__(self, planner: Planner, rank: int, policy: str = "hydraulis", cpu_clock: RankCpuClock | None = None,
+                 timeout_s: float = DEFAULT_PLAN_TIMEOUT_S):
+        if not timeout_s > 0:
+            raise ValueError(f"the planning timeout must be positive, got {timeout_s!r}")
         self.planner, self.rank, self.policy = planner, rank, policy
+        self.timeout_s = timeout_s
+        """How long ``take`` waits for a plan before every rank raises a :class:`PlanTimeout`."""
         self.cpu_clock = cpu_clock
         """Where the planning thread registers as background work (the executor's clock), if given."""
         self._thread: threading.Thread | None = None
@@ -79,9 +92,13 @@ class PlanService:
             if self._thread is None:
                 raise RuntimeError("take() without submit()")
             hidden = not self._thread.is_alive()
-            self._thread.join()
+            self._thread.join(timeout=self.timeout_s)
+            if self._thread.is_alive():  # left behind (a daemon thread); this job cannot go on
+                plan, plan_ms, error = None, 0.0, PlanTimeout(
+                    f"planning a step took more than {self.timeout_s:g} s (a hung planner?); every rank stops")
+            else:
+                plan, plan_ms, error = self._result
             self._thread = None
-            plan, plan_ms, error = self._result
             payload = [(plan, plan_ms, hidden, error)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
