@@ -275,22 +275,28 @@ class Trainer:
         self.calibration = OnlineCalibration(self.cost_model) if calibrate else None
         """Rank 0's per-scheme correction of the cost model from measured steps (None: not calibrating)."""
         self._service: PlanService | None = None
+        self._restored_pool: tuple[list[Strategy], Strategy] | None = None
         self._warm: set[Strategy] = set()
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
 
     def _planner(self, seq_lens: Sequence[int]) -> PlanService:
         if self._service is None:
-            data = self.dataset or LengthDataset.from_lengths("first-batch", list(seq_lens))
-            longest = max(data.max_len, max(seq_lens))
-            fixed = sized_homogeneous(self.cost_model, self.ctx.world_size, longest)
-            if self.options.strategies == "auto":
-                pool = build_pool(self.cost_model, self.ctx.world_size, data, sum(seq_lens), fixed)
+            if self._restored_pool is not None:  # resumed: the pool the run started with
+                pool, fixed = self._restored_pool
             else:
-                pool = [Strategy.parse(s) for s in self.options.strategies]
-            planner = Planner(self.cost_model, self.ctx.world_size, pool, fixed)
+                data = self.dataset or LengthDataset.from_lengths("first-batch", list(seq_lens))
+                longest = max(data.max_len, max(seq_lens))
+                fixed = sized_homogeneous(self.cost_model, self.ctx.world_size, longest)
+                if self.options.strategies == "auto":
+                    pool = build_pool(self.cost_model, self.ctx.world_size, data, sum(seq_lens), fixed)
+                else:
+                    pool = [Strategy.parse(s) for s in self.options.strategies]
+            planner = Planner(self.cost_model, self.ctx.world_size, list(pool), fixed)
             self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
                                         timeout_s=self.options.plan_timeout_s)
+            if self.calibration is not None and self.calibration.state_dict():  # resumed with measured ratios
+                self._service.set_cost_model(self.calibration.model())
             self.warm_up([*pool, fixed])
         return self._service
 
@@ -338,13 +344,29 @@ class Trainer:
         return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
 
     def save(self, path: str, step: int, data_position: Any) -> None:
-        """Checkpoint the fixed layout, optimiser state, step and data position (collective, atomic).
-        ``data_position``: anything JSON holds, e.g. ``TokenBatches.state_dict()``."""
-        save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position)
+        """Checkpoint the fixed layout, optimiser state, RNG, step, data position, strategy pool and cost-model
+        calibration (collective, atomic: ``runtime.checkpoint``). ``data_position``: anything JSON holds, e.g.
+        ``TokenBatches.state_dict()``."""
+        extra: dict = {}
+        if self._service is not None:
+            planner = self._service.planner
+            extra["pool"] = [s.describe() for s in planner.pool]
+            extra["fixed"] = planner.fixed.describe()
+        if self.calibration is not None:
+            extra["calibration"] = self.calibration.state_dict()
+        save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position, extra=extra)
 
     def load(self, path: str) -> dict:
-        """Resume from ``save``; returns ``{"step", "data_position", ...}``."""
-        return load_checkpoint(path, self.layout, self.optimizer)
+        """Resume from ``save`` on any number of ranks; returns ``{"step", "data_position", ...}``. With the
+        same number of ranks the strategy pool, the calibration and the RNG continue as saved, so the steps
+        after a resume are the steps an uninterrupted run takes."""
+        meta = load_checkpoint(path, self.layout, self.optimizer)
+        extra = meta.get("extra", {})
+        if meta["world_size"] == self.ctx.world_size and "pool" in extra and self._service is None:
+            self._restored_pool = ([Strategy.parse(s) for s in extra["pool"]], Strategy.parse(extra["fixed"]))
+        if self.calibration is not None and "calibration" in extra:
+            self.calibration.load_state_dict(extra["calibration"])
+        return meta
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""

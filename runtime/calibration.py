@@ -70,6 +70,14 @@ class OnlineCalibration:
         fallback = math.exp(statistics.fmean(math.log(f) for f in seen.values())) if seen else 1.0
         return {e.scheme: seen.get(e.scheme, fallback) for e in self.base.entries}
 
+    def state_dict(self) -> dict:
+        """The ratios seen so far, per scheme (JSON), for a checkpoint."""
+        return {scheme.describe(): list(ratios) for scheme, ratios in self._ratios.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict``'s ratios."""
+        self._ratios = {ParallelScheme.parse(k): deque(map(float, v), maxlen=self.window) for k, v in state.items()}
+
     def model(self) -> CostModel:
         """The base cost model scaled by the current factors."""
         return scaled_cost_model(self.base, self.factors)

@@ -67,5 +67,7 @@ def test_every_fault_ends_the_job_in_time_with_the_checkpoint_intact(tmp_path, f
     assert proc.returncode != 0 and "finished" not in proc.stdout, out[-3000:]
     assert needle in out, out[-3000:]
     assert elapsed < 4 * TIMEOUT_S + 45, f"{fault}: took {elapsed:.0f}s"  # start-up, compile, one timeout
-    meta = json.loads((ckpt / "meta.json").read_text())
-    assert meta["step"] == 1 and sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]
+    version = ckpt / (ckpt / "LATEST").read_text().strip()
+    meta = json.loads((version / "meta.json").read_text())
+    assert meta["step"] == 1 and sorted(p.name for p in version.iterdir()) == [
+        "meta.json", "rank0.safetensors", "rank1.safetensors"]

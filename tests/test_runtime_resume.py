@@ -77,5 +77,7 @@ def test_overlapped_planning_adamw_and_resume(tmp_path):
             # Adam divides by sqrt(v): float noise in near-zero gradients shows up around 1e-5
             torch.testing.assert_close(uninterrupted[name], p.detach(), rtol=1e-3, atol=1e-4)
             torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=1e-6, atol=1e-7)
-    assert len(results[0][1]) == 5 and (tmp_path / "ckpt" / "meta.json").exists()
-    assert not (tmp_path / "ckpt.tmp").exists()
+    ckpt = tmp_path / "ckpt"
+    version = (ckpt / "LATEST").read_text().strip()
+    assert len(results[0][1]) == 5 and (ckpt / version / "meta.json").exists()
+    assert [p.name for p in ckpt.iterdir() if p.is_dir()] == [version]  # no temporary folder left
