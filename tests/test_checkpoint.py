@@ -38,8 +38,9 @@ def _save_and_continue(rank, world, ckpt):
     data, trainer = _batches(), _trainer()
     losses = [trainer.train_step(b).loss for b in data[:3]]
     trainer.save(ckpt, step=3, data_position=3)
+    saved = trainer.full_state_dict()
     losses += [trainer.train_step(b).loss for b in data[3:]]
-    return losses, trainer.full_state_dict()
+    return losses, saved, trainer.full_state_dict()
 
 
 def _resume(rank, world, ckpt, strategies):
@@ -52,12 +53,13 @@ def _resume(rank, world, ckpt, strategies):
 
 def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    (losses, final), *_ = run_ranks(4, tmp_path, _save_and_continue, ckpt)
+    (losses, saved, final), *_ = run_ranks(4, tmp_path, _save_and_continue, ckpt)
     step, _, resumed, resumed_final = run_ranks(4, tmp_path, _resume, ckpt, ("4x(tp1)",))[0]
     assert step == 3 and resumed == losses[3:]  # the same pool and plans: bit for bit
     for n, p in final.items():
         assert torch.equal(resumed_final[n], p), n
     for step, state, two_ranks, two_final in run_ranks(2, tmp_path, _resume, ckpt, ("2x(tp1)", "1x(tp2)")):
+        assert all(torch.equal(state[n], p) for n, p in saved.items())  # re-cut for 2 ranks: the same values
         assert two_ranks == pytest.approx(losses[3:], rel=1e-5)  # other ranks, other plans: the same training
         for n, p in final.items():
             torch.testing.assert_close(two_final[n], p, rtol=1e-4, atol=1e-5)
