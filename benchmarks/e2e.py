@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from hcompile.data import ByteTokenizer, Corpus, DataError, TokenBatches, python_stdlib
-from hcompile.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
-from hcompile.spawn import RankError, max_local_ranks, run_local_ranks
+from hcompile.tools.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
+from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
 from hcompile.train import ANALYSIS_TOKENS, cpu_cost_model
-from passes.cost_model import load_profile_file
-from passes.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
-from passes.ir import CostModel, ParallelScheme, PlanError
-from passes.plan_policies import POLICIES
+from passes.plan.cost_model import load_profile_file
+from passes.plan.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
+from passes.plan.ir import CostModel, ParallelScheme, PlanError
+from passes.plan.policies import POLICIES
 
 __all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table", "format_cost_model", "main"]
 
@@ -52,7 +52,7 @@ class E2EConfig:
     """One harness run."""
 
     model: str = "llama-small"
-    """CPU model preset (``hcompile.profile.CPU_MODELS``)."""
+    """CPU model preset (``hcompile.tools.profile.CPU_MODELS``)."""
     dataset: str = "stdlib"
     """``stdlib``: real text, the running interpreter's standard library sources, one document per function or
     class, byte tokens, documents longer than ``context`` cut into pieces of ``context``; or a length dataset
@@ -162,7 +162,7 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
     schemes = [ParallelScheme(tp=tp) for tp in cfg.tps]
     if cfg.cost == "analytic":
         from hcompile.api import CompiledModel
-        from hcompile.profile import build_model
+        from hcompile.tools.profile import build_model
 
         captured = CompiledModel(build_model(cfg.model)).captured(ANALYSIS_TOKENS).graph_module
         return cpu_cost_model(captured, cfg.model, cfg.ranks, cfg.max_tokens), {"cost": "analytic"}

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.datasets import LengthDataset
-from passes.ir import CostModel, StepPlan
-from passes.variant import TokenBuckets
+from passes.plan.datasets import LengthDataset
+from passes.plan.ir import CostModel, StepPlan
+from passes.graph.variant import TokenBuckets
 
 __all__ = ["RankJob", "rank_main", "predicted_ms"]
 
@@ -62,7 +62,7 @@ def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -
 def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
     if job.tokens is not None:
         return [[torch.tensor(seq, dtype=torch.long) for seq in batch] for batch in job.tokens]
-    vocab = __import__("hcompile.profile", fromlist=["CPU_MODELS"]).CPU_MODELS[job.model].vocab
+    vocab = __import__("hcompile.tools.profile", fromlist=["CPU_MODELS"]).CPU_MODELS[job.model].vocab
     gen = torch.Generator().manual_seed(job.seed + 7)
     return [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for lens in job.batches]
 
@@ -120,8 +120,8 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
 def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
     """Run every policy on this rank; rank 0 returns the records (the others None)."""
     from hcompile.api import CompiledModel
-    from hcompile.profile import build_model
-    from hcompile.progress import progress_bar
+    from hcompile.tools.profile import build_model
+    from hcompile.tools.progress import progress_bar
 
     compiled = CompiledModel(build_model(job.model, job.seed), buckets=TokenBuckets(sizes=job.buckets))
     data = _token_batches(job)

@@ -126,8 +126,8 @@ def _batch(cfg: LlamaConfig, step: int) -> list[torch.Tensor]:
 def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) -> list[dict]:
     import hcompile
     from hcompile.models import Llama
-    from passes.ir import Strategy
-    from passes.variant import TokenBuckets
+    from passes.plan.ir import Strategy
+    from passes.graph.variant import TokenBuckets
 
     with hcompile.empty_init():
         model = Llama(cfg)
@@ -190,7 +190,7 @@ def _full_vector_movement(layout, move) -> dict:
 
 def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4) -> list[dict]:
     """Every (strategy, rank) row, measured on ``world`` local ranks."""
-    from hcompile.spawn import run_local_ranks
+    from hcompile.tools.spawn import run_local_ranks
 
     per_rank = run_local_ranks(world, _rank, cfg, strategies, timeout_s=1200)
     return [row for rows in zip(*per_rank) for row in rows]

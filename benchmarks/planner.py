@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from hcompile.simulate import BASELINE, PlanJob, PlanReport, format_report, run_plan_job
-from passes.ir import CostModel, StepPlan
+from hcompile.tools.simulate import BASELINE, PlanJob, PlanReport, format_report, run_plan_job
+from passes.plan.ir import CostModel, StepPlan
 
 PAPER_POOL_32B_64 = ("4x(tp16)", "1x(tp16)+2x(tp8,pp3)", "1x(tp16)+6x(tp8)", "1x(tp16)+12x(tp4)",
                      "1x(tp8,pp3)+10x(tp4)", "1x(tp8)+14x(tp4)", "8x(tp4,pp2)")

@@ -20,7 +20,7 @@ import torch
 
 import hcompile
 from hcompile.data import ByteTokenizer, Corpus, TokenBatches, python_stdlib
-from passes.datasets import LengthDataset
+from passes.plan.datasets import LengthDataset
 
 
 def build_model() -> torch.nn.Module:

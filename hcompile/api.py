@@ -15,11 +15,11 @@ import torch
 from torch import fx, nn
 
 from hcompile.capture import Captured, capture
-from passes.ir import ParallelScheme
-from passes.normalize import fold_repeat_kv_pass
-from passes.packed_attention import rewrite_packed_attention_pass
-from passes.pass_runner import PassContext, PassRecord, run_passes
-from passes.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
+from passes.plan.ir import ParallelScheme
+from passes.graph.normalize import fold_repeat_kv_pass
+from passes.graph.packed_attention import rewrite_packed_attention_pass
+from passes.graph.pass_runner import PassContext, PassRecord, run_passes
+from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
 
 __all__ = ["CompiledModel", "compile", "hydraulis"]
 

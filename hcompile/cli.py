@@ -8,10 +8,10 @@ import argparse
 import json
 import sys
 
-from passes.cost_model import MEMORY_MODELS, PRESET_HARDWARE, PRESET_MODELS
-from passes.datasets import PRESET_DATASETS
-from passes.ir import PlanError
-from passes.plan_policies import POLICIES
+from passes.plan.cost_model import MEMORY_MODELS, PRESET_HARDWARE, PRESET_MODELS
+from passes.plan.datasets import PRESET_DATASETS
+from passes.plan.ir import PlanError
+from passes.plan.policies import POLICIES
 from runtime.launch import LaunchError
 
 __all__ = ["main", "build_parser"]
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from hcompile.simulate import PlanJob, format_report, run_plan_job, stderr_progress
+    from hcompile.tools.simulate import PlanJob, format_report, run_plan_job, stderr_progress
 
     job = PlanJob(model=args.model, hardware=args.hardware, gpus=args.gpus, dataset=args.dataset,
                   global_tokens=args.global_tokens, steps=args.steps, seed=args.seed,
@@ -103,9 +103,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from hcompile.files import check_output_path, write_text_atomically
-    from hcompile.profile import ProfileJob, format_profile, run_profile
-    from hcompile.spawn import RankError
+    from hcompile.tools.files import check_output_path, write_text_atomically
+    from hcompile.tools.profile import ProfileJob, format_profile, run_profile
+    from hcompile.tools.spawn import RankError
 
     if args.smoke:
         job = ProfileJob(model="llama-tiny", tps=(1, 2), max_tokens=128, repeats=2, gpus=args.gpus, seed=args.seed)

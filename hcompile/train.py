@@ -18,14 +18,14 @@ import torch.distributed as dist
 from torch import fx
 
 from hcompile.api import CompiledModel
-from passes.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
-from passes.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
-from passes.datasets import LengthDataset
-from passes.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
-from passes.plan_policies import POLICIES, Planner, sized_homogeneous
-from passes.plan_pool import build_pool
-from passes.tensor_parallel import ParamSlice, split_dims
-from passes.variant import TokenBuckets, Variant, VariantKey, build_variant
+from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
+from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
+from passes.plan.datasets import LengthDataset
+from passes.plan.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
+from passes.plan.policies import POLICIES, Planner, sized_homogeneous
+from passes.plan.pool import build_pool
+from passes.graph.tensor_parallel import ParamSlice, split_dims
+from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
 from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import load_checkpoint, save_checkpoint

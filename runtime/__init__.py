@@ -1,2 +1,4 @@
-"""The distributed runtime: launch, placement, process groups, the fixed optimiser layout, the step executor
-and the variant cache. May import passes (types and planner), codegen and torch; never hcompile."""
+"""The distributed runtime: launch, placement, process groups, the fixed optimiser layout and the movement of
+parameter slices and gradients, the stage compute copies, the step executor, batch agreement, planning off
+the critical path, calibration and checkpoints. May import passes (types and planner), codegen and torch;
+never hcompile."""

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Sequence
 
-from passes.ir import CostModel, ParallelScheme, PlanError, StepPlan
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan
 
 __all__ = ["OnlineCalibration", "scaled_cost_model"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from passes.ir import Strategy
+from passes.plan.ir import Strategy
 from runtime.topology import Placement
 
 __all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from passes.ir import ParallelScheme, StepPlan, Strategy
+from passes.plan.ir import ParallelScheme, StepPlan, Strategy
 from runtime.cpu_clock import RankCpuClock
 from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout, ParamSlice

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from passes.tensor_parallel import ParamSlice
+from passes.graph.tensor_parallel import ParamSlice
 
 __all__ = ["ParamSlice", "ParamSpec", "FixedLayout", "full_slice", "grad_weight", "Init"]
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from passes.ir import CostModel, PlanError, StepPlan, Strategy
-from passes.plan_policies import Planner
+from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
+from passes.plan.policies import Planner
 from runtime.cpu_clock import RankCpuClock
 
 __all__ = ["PlanService", "PlannedStep", "PlanTimeout", "DEFAULT_PLAN_TIMEOUT_S"]

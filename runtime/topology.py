@@ -2,7 +2,7 @@
 
 The cluster is a networkx graph: one vertex per device (rank) and one per node switch; intra-node links
 carry ``intra_node_gbps``, node uplinks ``inter_node_gbps``. A strategy's replicas are placed on contiguous,
-node-aligned ranks (``passes.plan_placement``) and the placement is checked against the graph: every TP group
+node-aligned ranks (``passes.plan.placement``) and the placement is checked against the graph: every TP group
 lies inside one node or spans whole nodes.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from passes.ir import PlanError, Strategy
-from passes.plan_placement import assign_ranks
+from passes.plan.ir import PlanError, Strategy
+from passes.plan.placement import assign_ranks
 
 __all__ = ["Cluster", "Placement", "place"]
 

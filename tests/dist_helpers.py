@@ -1,12 +1,12 @@
 """Multi-process gloo test harness for the compiler tests: ranks that assert inside, through
-``hcompile.spawn.run_local_ranks`` (file:// store, hard timeout, a failing rank named)."""
+``hcompile.tools.spawn.run_local_ranks`` (file:// store, hard timeout, a failing rank named)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
-from hcompile.spawn import run_local_ranks
+from hcompile.tools.spawn import run_local_ranks
 
 
 def run_ranks(fn: Callable, world: int, tmp_path: Path, *args, timeout: float = 150.0) -> None:

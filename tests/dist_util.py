@@ -1,4 +1,4 @@
-"""Multi-process gloo tests: ``hcompile.spawn.run_local_ranks`` (file:// store, one thread per rank, a hard
+"""Multi-process gloo tests: ``hcompile.tools.spawn.run_local_ranks`` (file:// store, one thread per rank, a hard
 timeout, results or tracebacks back through files) with the call shape the tests use."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from hcompile.spawn import run_local_ranks
+from hcompile.tools.spawn import run_local_ranks
 
 
 def run_ranks(world: int, tmp_path: Path, fn: Callable, *args, timeout_s: float = 240.0) -> list:

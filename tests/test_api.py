@@ -6,7 +6,7 @@ from torch import nn
 
 import hcompile
 from hcompile.models import GPT, init_weights_
-from passes.variant import TokenBuckets
+from passes.graph.variant import TokenBuckets
 
 
 def _packed_batch(lens, vocab=96):

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from passes.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
-from passes.plan_policies import Planner
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from passes.plan.policies import Planner
 from runtime.calibration import OnlineCalibration, scaled_cost_model
 from runtime.planning import PlanService
 

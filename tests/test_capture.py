@@ -9,7 +9,7 @@ from torch import nn
 
 from hcompile.capture import CaptureError, capture, capture_joint
 from hcompile.models import GPT, Llama, init_weights_
-from passes.analyze import classify_node
+from passes.graph.analyze import classify_node
 
 
 @pytest.mark.parametrize("model_cls", [GPT, Llama])

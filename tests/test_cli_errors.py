@@ -14,7 +14,7 @@ FAST = ["plan", "--gpus", "64", "--global-tokens", "40000", "--steps", "2"]
 
 
 def _profile(tmp_path, change) -> str:
-    data = json.loads(resources.files("passes").joinpath("data/profiles/a800-llama-7b.json").read_text())
+    data = json.loads(resources.files("passes.plan").joinpath("data/profiles/a800-llama-7b.json").read_text())
     change(data)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(data).replace("NaN", "NaN"))

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_ranks
-from passes.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
+from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
 
 
 def _worker(rank, world):

@@ -5,9 +5,9 @@ from importlib import resources
 
 import pytest
 
-from passes.cost_model import (HCOMPILE_RUNTIME, RuntimeMemory, build_cost_model, default_optimizer_layout,
+from passes.plan.cost_model import (HCOMPILE_RUNTIME, RuntimeMemory, build_cost_model, default_optimizer_layout,
                                hcompile_runtime, load_profile, load_profile_file, max_tokens_for, state_bytes)
-from passes.ir import ParallelScheme, PlanError, Strategy
+from passes.plan.ir import ParallelScheme, PlanError, Strategy
 
 P32 = load_profile("llama-32b")
 LAYOUT_32B_64 = Strategy.parse("4x(tp16)")
@@ -90,7 +90,7 @@ def test_unknown_presets():
 
 
 def test_profile_file_round_trip_and_validation(tmp_path):
-    data = json.loads(resources.files("passes").joinpath("data/profiles/a800-llama-7b.json").read_text())
+    data = json.loads(resources.files("passes.plan").joinpath("data/profiles/a800-llama-7b.json").read_text())
     good = tmp_path / "mine.json"
     good.write_text(json.dumps(data))
     assert load_profile_file(good).schemes == load_profile("llama-7b").schemes

@@ -7,7 +7,7 @@ import time
 
 from spawn_targets import all_reduce_cpu_ms
 
-from hcompile.spawn import run_local_ranks
+from hcompile.tools.spawn import run_local_ranks
 from runtime.cpu_clock import RankCpuClock
 
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from passes.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
-from passes.ir import PlanError
+from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
+from passes.plan.ir import PlanError
 
 
 @pytest.mark.parametrize("name", ["commoncrawl", "github", "python-code"])

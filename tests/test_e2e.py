@@ -6,8 +6,8 @@ import json
 import pytest
 
 from benchmarks.e2e import FIELDS, E2EConfig, format_cost_model, main, scale_dataset, text_batches
-from passes.datasets import load_dataset
-from passes.ir import PlanError
+from passes.plan.datasets import load_dataset
+from passes.plan.ir import PlanError
 
 
 def test_scale_dataset_keeps_counts_and_hits_the_context():

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from dist_util import run_ranks
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
-from passes.ir import Strategy
-from passes.variant import TokenBuckets
+from passes.plan.ir import Strategy
+from passes.graph.variant import TokenBuckets
 
 MODELS = {
     "gpt": (GPT, GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=256)),

@@ -18,7 +18,7 @@ SCRIPT = """
 import os, sys, time, torch, torch.distributed as dist
 import hcompile
 from hcompile.models import Llama, LlamaConfig, init_weights_
-from passes.plan_policies import Planner
+from passes.plan.policies import Planner
 
 fault, ckpt = sys.argv[1], sys.argv[2]
 trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0), loss="causal_lm",

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_util import run_ranks  # noqa: E402
-from passes.variant import TokenBuckets  # noqa: E402
+from passes.graph.variant import TokenBuckets  # noqa: E402
 from test_equivalence import reference_sgd  # noqa: E402
 
 STRATEGIES = ["4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp2,pp2)"]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from passes.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, SchemeCost, StepPlan, Strategy, bucket_padding
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, SchemeCost, StepPlan, Strategy, bucket_padding
 
 
 def test_strategy_round_trip_golden():

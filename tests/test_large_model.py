@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from dist_util import run_ranks
 from hcompile.init import normal_init
 from hcompile.models import Llama, LlamaConfig
-from passes.variant import TokenBuckets
+from passes.graph.variant import TokenBuckets
 from test_equivalence import reference_sgd
 
 CFG = LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64)

@@ -1,4 +1,5 @@
-"""Imports flow one way: codegen <- passes <- runtime <- hcompile (DESIGN.md section 4)."""
+"""Imports flow one way: codegen <- passes <- runtime <- hcompile <- benchmarks; inside passes, the planner
+(``passes.plan``) imports neither torch nor the graph passes, so it runs wherever Python and numpy do."""
 
 import ast
 from pathlib import Path
@@ -14,17 +15,23 @@ ALLOWED = {
     "hcompile": {"runtime", "passes", "codegen"},
     "benchmarks": {"hcompile", "runtime", "passes", "codegen"},
 }
+PLANNER_FORBIDDEN = {"torch", "triton", "codegen", "passes.graph", "runtime", "hcompile"}
 
 
-def _imported_packages(path: Path) -> set[str]:
+def _imports(path: Path) -> set[str]:
+    """Every module name ``path`` imports, dotted (``from a.b import c`` gives ``a.b``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & PROJECT
+            found.add(node.module)
+    return found
+
+
+def _imported_packages(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in _imports(path)} & PROJECT
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -39,7 +46,17 @@ def test_imports_flow_one_way(package):
     assert not bad, f"{package} may import only {sorted(ALLOWED[package])}; found {bad}"
 
 
+def test_the_planner_imports_no_torch():
+    files = sorted((ROOT / "passes" / "plan").rglob("*.py"))
+    assert len(files) >= 8
+    bad = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f) if any(
+        n == forbidden or n.startswith(forbidden + ".") for forbidden in PLANNER_FORBIDDEN)) for f in files}
+    bad = {f: names for f, names in bad.items() if names}
+    assert not bad, f"passes.plan may not import {sorted(PLANNER_FORBIDDEN)}; found {bad}"
+
+
 def test_checker_sees_a_violation(tmp_path):
     bad = tmp_path / "m.py"
-    bad.write_text("import runtime.x\nfrom hcompile import y\n")
-    assert _imported_packages(bad) == {"runtime", "hcompile"}
+    bad.write_text("import runtime.x\nfrom hcompile import y\nfrom passes.graph.variant import z\n")
+    assert _imported_packages(bad) == {"runtime", "hcompile", "passes"}
+    assert "passes.graph.variant" in _imports(bad)

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import hcompile
-from passes.analyze import SDPA_TARGETS
-from passes.normalize import fold_repeat_kv_pass
-from passes.pass_runner import PassContext
+from passes.graph.analyze import SDPA_TARGETS
+from passes.graph.normalize import fold_repeat_kv_pass
+from passes.graph.pass_runner import PassContext
 
 
 class _RepeatKV(nn.Module):

@@ -9,9 +9,9 @@ from torch import fx, nn
 
 import hcompile
 from hcompile.models import GPT, Llama, init_weights_
-from passes.packed_attention import packed_positions, rewrite_packed_attention_pass
-from passes.pass_runner import PassContext, PassError, propagate_vals, run_passes
-from passes.variant import TokenBuckets
+from passes.graph.packed_attention import packed_positions, rewrite_packed_attention_pass
+from passes.graph.pass_runner import PassContext, PassError, propagate_vals, run_passes
+from passes.graph.variant import TokenBuckets
 
 
 def _hand_built(**sdpa_kwargs) -> fx.GraphModule:
@@ -38,7 +38,7 @@ graph():
     %x : [num_users=1] = placeholder[target=x]
     %cu_seqlens : torch.Tensor [num_users=2] = placeholder[target=cu_seqlens]
     %max_seqlen : int [num_users=1] = placeholder[target=max_seqlen]
-    %packed_positions : [num_users=1] = call_function[target=passes.packed_attention.packed_positions](args = (%cu_seqlens, 6), kwargs = {dtype: torch.int64})
+    %packed_positions : [num_users=1] = call_function[target=passes.graph.packed_attention.packed_positions](args = (%cu_seqlens, 6), kwargs = {dtype: torch.int64})
     %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%packed_positions, (None, slice(None, None, None), None)), kwargs = {})
     %add : [num_users=1] = call_function[target=operator.add](args = (%x, %getitem), kwargs = {})
     %view : [num_users=1] = call_method[target=view](args = (%add, 1, 6, 2, 16), kwargs = {})

@@ -2,11 +2,11 @@
 
 import numpy as np
 
-from passes.cost_model import build_cost_model, load_profile
-from passes.datasets import LengthDataset, load_dataset
-from passes.ir import Strategy
-from passes.plan_placement import assign_ranks, placeable
-from passes.plan_pool import build_pool, fluid_estimate, tier_caps
+from passes.plan.cost_model import build_cost_model, load_profile
+from passes.plan.datasets import LengthDataset, load_dataset
+from passes.plan.ir import Strategy
+from passes.plan.placement import assign_ranks, placeable
+from passes.plan.pool import build_pool, fluid_estimate, tier_caps
 
 LAYOUT = Strategy.parse("4x(tp16)")
 CM = build_cost_model(load_profile("llama-32b"), LAYOUT)

@@ -6,11 +6,11 @@ import functools
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from passes.cost_model import build_cost_model, load_profile
-from passes.datasets import load_dataset
-from passes.ir import CostModel, ParallelScheme, SchemeCost, Strategy, bucket_padding
-from passes.plan_policies import POLICIES, Planner, homogeneous_strategies
-from passes.plan_pool import build_pool
+from passes.plan.cost_model import build_cost_model, load_profile
+from passes.plan.datasets import load_dataset
+from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy, bucket_padding
+from passes.plan.policies import POLICIES, Planner, homogeneous_strategies
+from passes.plan.pool import build_pool
 
 TOY = CostModel(name="toy", gpus_per_node=4, entries=(
     SchemeCost(scheme=ParallelScheme(tp=1), a=4e-4, b=1.0, c=20.0, max_tokens=256),

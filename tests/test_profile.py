@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from hcompile.cli import main
-from hcompile.profile import ProfileJob, fit_nonnegative, sweep_packs, token_buckets
-from passes.cost_model import load_profile_file
-from passes.ir import PlanError
+from hcompile.tools.profile import ProfileJob, fit_nonnegative, sweep_packs, token_buckets
+from passes.plan.cost_model import load_profile_file
+from passes.plan.ir import PlanError
 
 
 def test_fit_recovers_coefficients_and_stays_nonnegative():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from passes.ir import CostModel, ParallelScheme, SchemeCost, Strategy
-from passes.plan_placement import assign_ranks
-from passes.plan_policies import Planner
+from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
+from passes.plan.placement import assign_ranks
+from passes.plan.policies import Planner
 from dist_util import run_ranks
 from staged_lm import StagedProvider, init_params, reference_loss
 

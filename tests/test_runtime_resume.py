@@ -4,8 +4,8 @@ against single-process AdamW, and a checkpoint resume that continues exactly."""
 import pytest
 import torch
 
-from passes.ir import Strategy
-from passes.plan_policies import Planner
+from passes.plan.ir import Strategy
+from passes.plan.policies import Planner
 from dist_util import run_ranks
 from staged_lm import StagedProvider, init_params, reference_loss
 from test_runtime_executor import CPU_MODEL, batches

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from passes.pass_runner import PassError, propagate_vals
-from passes.sharding import Shard, propagate_node
+from passes.graph.pass_runner import PassError, propagate_vals
+from passes.graph.sharding import Shard, propagate_node
 
 HALF = Fraction(1, 2)
 

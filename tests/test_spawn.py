@@ -1,11 +1,11 @@
-"""hcompile.spawn.run_local_ranks: results in rank order with one thread per rank; a failing rank or a hang
+"""hcompile.tools.spawn.run_local_ranks: results in rank order with one thread per rank; a failing rank or a hang
 ends the job with RankError, quickly."""
 
 import time
 
 import pytest
 
-from hcompile.spawn import RankError, max_local_ranks, run_local_ranks
+from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
 from spawn_targets import fail_on_rank_1, hang, rank_and_world
 
 

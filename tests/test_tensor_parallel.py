@@ -14,10 +14,10 @@ from torch import fx, nn
 from dist_helpers import run_ranks
 from hcompile.capture import capture
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
-from passes.ir import ParallelScheme
-from passes.pass_runner import PassContext, PassError, propagate_vals, run_passes
-from passes.tensor_parallel import decide_tensor_parallel, shard_tensor_parallel_pass
-from passes.variant import VariantKey, build_variant
+from passes.plan.ir import ParallelScheme
+from passes.graph.pass_runner import PassContext, PassError, propagate_vals, run_passes
+from passes.graph.tensor_parallel import decide_tensor_parallel, shard_tensor_parallel_pass
+from passes.graph.variant import VariantKey, build_variant
 
 CASES = {
     "gpt": (GPT, GPTConfig(layers=1, heads=4, hidden=64)),
@@ -205,7 +205,7 @@ VOCAB_GOLDEN = """\
 graph():
     %ids : [num_users=1] = placeholder[target=ids]
     %emb : [num_users=2] = get_attr[target=emb]
-    %embedding : [num_users=1] = call_function[target=passes.collectives.vocab_parallel_embedding](args = (%ids, %emb, 5, g), kwargs = {})
+    %embedding : [num_users=1] = call_function[target=passes.graph.collectives.vocab_parallel_embedding](args = (%ids, %emb, 5, g), kwargs = {})
     %tp_copy_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_copy.default](args = (%embedding, g), kwargs = {})
     %linear : [num_users=1] = call_function[target=torch._C._nn.linear](args = (%tp_copy_default, %emb, None), kwargs = {})
     %tp_all_gather_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_all_gather.default](args = (%linear, g, 2, 2), kwargs = {})

@@ -82,7 +82,7 @@ def _reference_step(model, opt, batch):
 
 def _auto(rank, world):
     import hcompile
-    from passes.ir import PlanError
+    from passes.plan.ir import PlanError
 
     model, cfg = make("llama")
     trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.AdamW,

@@ -12,7 +12,7 @@ Owns the decision (:func:`decide_tensor_parallel`, a pure function of the graph,
   by tp, replicated (each rank keeps the kv head its query heads use) when tp divides them, else error;
 - ``tp_copy`` (backward all-reduce) is inserted before column-parallel inputs and ``tp_all_reduce``
   (forward all-reduce) after row-parallel outputs, so replicated parameters get full gradients;
-- reshape/view/split constants are rewritten by sharding propagation (:mod:`passes.sharding`).
+- reshape/view/split constants are rewritten by sharding propagation (:mod:`passes.graph.sharding`).
 
 The rewritten module holds only this rank's slice of each parameter; :class:`ParamSlice` declares, per
 parameter, which slice of the full tensor it expects.
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from passes.analyze import OpClass, attention_sites, classify_node
-from passes.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
-from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
-from passes.sharding import Shard, propagate_node, where
+from passes.graph.analyze import OpClass, attention_sites, classify_node
+from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
+from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
+from passes.graph.sharding import Shard, propagate_node, where
 
 __all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "split_dims",
            "shard_tensor_parallel_pass"]

@@ -17,8 +17,8 @@ import operator
 
 from torch import fx
 
-from passes.analyze import SDPA_TARGETS
-from passes.pass_runner import PassContext, PassResult
+from passes.graph.analyze import SDPA_TARGETS
+from passes.graph.pass_runner import PassContext, PassResult
 
 __all__ = ["fold_repeat_kv_pass", "unrepeated_kv"]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from passes.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
-from passes.plan_placement import group_aligns
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from passes.plan.placement import group_aligns
 
 __all__ = [
     "Profile",
@@ -206,7 +206,7 @@ def load_profile(model: str, hardware: str = "a800-80g") -> Profile:
     if hardware not in PRESET_HARDWARE:
         raise PlanError(f"unknown hardware {hardware!r}; known: {', '.join(PRESET_HARDWARE)}")
     filename = _PROFILE_FILES[hardware].format(model=model)
-    text = resources.files("passes").joinpath("data", "profiles", filename).read_text()
+    text = resources.files("passes.plan").joinpath("data", "profiles", filename).read_text()
     return Profile.from_dict(json.loads(text), name=f"{model}@{hardware}")
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes.ir import ParallelScheme
+from passes.plan.ir import ParallelScheme
 
 __all__ = ["PassContext", "PassResult", "PassRecord", "PassError", "GraphPass", "run_passes", "propagate_vals"]
 

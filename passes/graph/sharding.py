@@ -4,7 +4,7 @@ Owns :class:`Shard` (dim + the fraction of that dim a rank holds) and the per-op
 tensor-parallel rewrite applies node by node: each rule takes the node, its inputs' shardings and the
 full (unsharded) shapes from ``meta["val"]``, and returns the output sharding plus the rewritten
 arguments, e.g. a ``view(1, T, 12, 64)`` of a head-sharded tensor becomes ``view(1, T, 3, 64)`` on tp=4.
-An op without a rule, or a sharding a rule cannot carry, raises :class:`passes.pass_runner.PassError`
+An op without a rule, or a sharding a rule cannot carry, raises :class:`passes.graph.pass_runner.PassError`
 naming the node and module. A replicated tensor is ``None``.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes.pass_runner import PassError
+from passes.graph.pass_runner import PassError
 
 __all__ = ["Shard", "Spec", "propagate_node", "where"]
 

@@ -3,7 +3,7 @@
 Owns the node classification (linear, attention, norm, elementwise, embedding, view, ...), the attention
 sites with their head counts, the per-token linear FLOPs, the per-sequence quadratic attention FLOPs and
 the parameter bytes of a captured graph (:func:`analyze_graph`), and the analytic
-:class:`passes.ir.CostModel` built from them and a :class:`Hardware` description
+:class:`passes.plan.ir.CostModel` built from them and a :class:`Hardware` description
 (:func:`analytic_cost_model`). Works on torch-level graphs from capture, on fake or meta tensors, so a
 70B-shaped model can be analysed without allocating it. Reads ``meta["val"]`` of nodes for shapes.
 """
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
-from passes.ir import CostModel, ParallelScheme, SchemeCost
+from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
+from passes.plan.ir import CostModel, ParallelScheme, SchemeCost
 
 __all__ = [
     "OpClass",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.ir import PlanError
+from passes.plan.ir import PlanError
 
 __all__ = ["LengthDataset", "PRESET_DATASETS", "load_dataset", "read_lengths_file", "sample_batches", "check_batch"]
 
@@ -136,7 +136,7 @@ def load_dataset(name: str) -> LengthDataset:
     """A preset dataset by name."""
     if name not in PRESET_DATASETS:
         raise PlanError(f"unknown dataset {name!r}; known: {', '.join(PRESET_DATASETS)} (or --lengths FILE)")
-    text = resources.files("passes").joinpath("data", "lengths", f"{name}.json").read_text()
+    text = resources.files("passes.plan").joinpath("data", "lengths", f"{name}.json").read_text()
     return _dataset_from_json(json.loads(text), name)
 
 

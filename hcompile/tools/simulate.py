@@ -10,14 +10,14 @@ from typing import Callable
 
 import numpy as np
 
-from hcompile.files import check_output_path, write_text_atomically
-from hcompile.progress import progress_bar
-from passes.cost_model import (HCOMPILE_RUNTIME, MEMORY_MODELS, Profile, build_cost_model, default_optimizer_layout,
+from hcompile.tools.files import check_output_path, write_text_atomically
+from hcompile.tools.progress import progress_bar
+from passes.plan.cost_model import (HCOMPILE_RUNTIME, MEMORY_MODELS, Profile, build_cost_model, default_optimizer_layout,
                                load_profile, load_profile_file)
-from passes.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
-from passes.ir import CostModel, PlanError, StepPlan, Strategy
-from passes.plan_policies import POLICIES, Planner, sized_homogeneous
-from passes.plan_pool import build_pool
+from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
+from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
+from passes.plan.policies import POLICIES, Planner, sized_homogeneous
+from passes.plan.pool import build_pool
 
 __all__ = ["PlanJob", "PolicyResult", "PlanReport", "run_plan_job", "format_report"]
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from passes.datasets import check_batch
-from passes.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
-from passes.plan_assign import Kind, dispatch, first_fit
-from passes.plan_placement import assign_ranks, too_long_error, usable_schemes
-from passes.plan_pool import fluid_estimate
+from passes.plan.datasets import check_batch
+from passes.plan.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
+from passes.plan.assign import Kind, dispatch, first_fit
+from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
+from passes.plan.pool import fluid_estimate
 
 __all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
 

@@ -4,7 +4,7 @@ planner needs only a valid, deterministic assignment."""
 
 from __future__ import annotations
 
-from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 
 __all__ = ["assign_ranks", "group_aligns", "placeable", "too_long_error", "tp_group_fits", "usable_schemes"]
 

@@ -8,7 +8,7 @@ the busiest rank's CPU time with its communication threads (``runtime.cpu_clock`
 median of repeats taken round-robin over the sweep, fits ``T = a*sum s^2 + b*sum s + c`` by least
 squares on relative error with non-negative coefficients, reports R^2 on the fitted packs and the mean
 absolute percentage error on held-out packs of other lengths, measures the activation bytes each token keeps
-for backward, and writes a profile JSON in the presets' format (``passes.cost_model.Profile.from_dict``)
+for backward, and writes a profile JSON in the presets' format (``passes.plan.cost_model.Profile.from_dict``)
 whose memory constants make the longest micro-batch of tp = 1 equal the per-rank token cap.
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from hcompile.models import Llama, LlamaConfig, init_weights_
-from hcompile.progress import progress_bar
-from passes.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_for, state_bytes
-from passes.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
-from passes.variant import TokenBuckets
+from hcompile.tools.progress import progress_bar
+from passes.plan.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_for, state_bytes
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from passes.graph.variant import TokenBuckets
 
 __all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
            "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile",
@@ -319,7 +319,7 @@ def _params_per_layer(model: str) -> int:
 
 def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
     """Profile every scheme of ``job`` on local ranks and fit its cost."""
-    from hcompile.spawn import run_local_ranks
+    from hcompile.tools.spawn import run_local_ranks
 
     started = time.perf_counter()
     fits = []

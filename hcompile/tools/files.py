@@ -8,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from passes.ir import PlanError
+from passes.plan.ir import PlanError
 
 __all__ = ["check_output_path", "write_text_atomically"]
 

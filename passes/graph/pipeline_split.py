@@ -19,8 +19,8 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
-from passes.analyze import node_flops
-from passes.pass_runner import PassContext, PassError, PassResult
+from passes.graph.analyze import node_flops
+from passes.graph.pass_runner import PassContext, PassError, PassResult
 
 __all__ = ["PipelinePlan", "StageSpec", "decide_pipeline_split", "split_pipeline_pass", "graph_to_networkx"]
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 import numpy as np
 
-from passes.datasets import LengthDataset
-from passes.ir import CostModel, ParallelScheme, PlanError, Strategy
-from passes.plan_assign import Kind
-from passes.plan_placement import placeable, too_long_error, usable_schemes
+from passes.plan.datasets import LengthDataset
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
+from passes.plan.assign import Kind
+from passes.plan.placement import placeable, too_long_error, usable_schemes
 
 __all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate"]
 

@@ -15,12 +15,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from passes.ir import ParallelScheme
-from passes.normalize import fold_repeat_kv_pass
-from passes.packed_attention import rewrite_packed_attention_pass
-from passes.pass_runner import PassContext, PassRecord, run_passes
-from passes.pipeline_split import split_pipeline_pass
-from passes.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
+from passes.plan.ir import ParallelScheme
+from passes.graph.normalize import fold_repeat_kv_pass
+from passes.graph.packed_attention import rewrite_packed_attention_pass
+from passes.graph.pass_runner import PassContext, PassRecord, run_passes
+from passes.graph.pipeline_split import split_pipeline_pass
+from passes.graph.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
 
 __all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter", "pad_to_bucket",
            "retarget_devices"]

@@ -28,8 +28,8 @@ import torch
 from torch import fx
 
 import codegen
-from passes.analyze import SDPA_TARGETS
-from passes.pass_runner import PassContext, PassError, PassResult, propagate_vals
+from passes.graph.analyze import SDPA_TARGETS
+from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
 
 __all__ = ["rewrite_packed_attention_pass", "packed_positions", "find_position_aranges"]
 

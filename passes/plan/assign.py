@@ -15,7 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from passes.ir import CostModel, ParallelScheme, PlanError, bucket_padding
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, bucket_padding
 
 __all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", "estimate_replica_ms"]
 
