@@ -3,7 +3,7 @@
 ``python -m benchmarks.attention`` (GPU): for three length mixes (uniform 512-8K, a long-tail mix, one 32K
 sequence) it times forward and forward+backward of
 
-- ``hydraulis``: ``codegen.packed_attention(..., backend="triton")`` on the packed batch;
+- ``hydraulis``: ``codegen.packed_attention(..., kernel="triton")`` on the packed batch;
 - ``varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` on the packed batch, where it exists;
 - ``flex``: FlexAttention (compiled) on the packed batch with a document-causal block mask;
 - ``sdpa_padded``: ``scaled_dot_product_attention(is_causal=True)`` on the batch padded to its longest sequence
@@ -134,7 +134,7 @@ def packed_inputs(lengths: list[int], config: BenchConfig, device: torch.device)
 def run_hydraulis(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor:
     import codegen
 
-    return codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, backend="triton")
+    return codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, kernel="triton")
 
 
 def run_varlen_attn(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor:
@@ -187,7 +187,7 @@ def sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 METHODS: dict[str, str] = {
-    "hydraulis": "codegen.packed_attention, Triton backend",
+    "hydraulis": "codegen.packed_attention, Triton kernel",
     "varlen_attn": "torch.nn.attention.varlen.varlen_attn",
     "flex": "flex_attention with a document-causal block mask",
     "sdpa_padded": "scaled_dot_product_attention on the padded batch",
@@ -277,9 +277,9 @@ def smoke(config: BenchConfig) -> list[Row]:
         started = time.perf_counter()
         errors = {}
         results = {}
-        for backend in ("triton", "reference"):
-            out = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, backend=backend)
-            results[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+        for kernel in ("triton", "reference"):
+            out = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, kernel=kernel)
+            results[kernel] = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
         for name, got, want in zip(("out", "dq", "dk", "dv"), results["triton"], results["reference"]):
             scale = max(want.double().abs().max().item(), 1e-2)
             errors[name] = (got.double() - want.double()).abs().max().item() / scale

@@ -1,5 +1,5 @@
 """CPU packed attention: ``python -m benchmarks.attention_cpu`` times forward+backward of the plain-torch reference
-and of the ``cpu-flash`` backend (PyTorch's fused CPU flash kernel) side by side on one thread, for packed
+and of the ``cpu-flash`` kernel (PyTorch's fused CPU flash kernel) side by side on one thread, for packed
 batches of one sequence and of eight equal sequences at several total lengths (the llama-small attention shape:
 4 heads of 32 by default), and prints ms and the speed-up.  Median of ``--repeats`` runs after one warm run.
 """
@@ -16,7 +16,7 @@ import torch
 import codegen
 
 
-def time_ms(lengths: list[int], heads: int, head_dim: int, backend: str, repeats: int) -> float:
+def time_ms(lengths: list[int], heads: int, head_dim: int, kernel: str, repeats: int) -> float:
     """Median ms of forward+backward of causal packed attention over sequences of ``lengths``."""
     total = sum(lengths)
     q, k, v = (torch.randn(total, heads, head_dim, requires_grad=True) for _ in range(3))
@@ -24,7 +24,7 @@ def time_ms(lengths: list[int], heads: int, head_dim: int, backend: str, repeats
     runs = []
     for i in range(repeats + 1):
         started = time.perf_counter()
-        codegen.packed_attention(q, k, v, cu, max(lengths), backend=backend).sum().backward()
+        codegen.packed_attention(q, k, v, cu, max(lengths), kernel=kernel).sum().backward()
         if i:
             runs.append((time.perf_counter() - started) * 1e3)
     return statistics.median(runs)

@@ -66,7 +66,7 @@ class E2EConfig:
     exactly ``context`` tokens long)."""
     ranks: int = 4
     """Local ranks (gloo on CPU)."""
-    max_tokens: int = 768
+    tokens_per_rank: int = 768
     """Per-rank memory cap in tokens: a tp = k replica holds micro-batches of up to k times this. The default
     is three quarters of the context: the long tail (with the default data, 3.3% of the sequences holding 23%
     of the tokens) needs tp2, as on GPUs the longest sequences need a larger TP degree."""
@@ -102,7 +102,7 @@ class E2EConfig:
         if self.dataset == TEXT_DATASET and CPU_MODELS[self.model].vocab < ByteTokenizer().vocab_size:
             raise PlanError(f"model {self.model!r} has {CPU_MODELS[self.model].vocab} tokens, byte-level text "
                             f"needs {ByteTokenizer().vocab_size}")
-        for name in ("context", "ranks", "max_tokens", "global_tokens", "steps", "max_tp"):
+        for name in ("context", "ranks", "tokens_per_rank", "global_tokens", "steps", "max_tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
@@ -149,12 +149,12 @@ def scale_dataset(dataset: LengthDataset, context: int) -> LengthDataset:
 
 def _check_fits(cfg: E2EConfig, data: LengthDataset) -> None:
     shortest, longest = min(data.lengths), data.max_len
-    if cfg.max_tokens < shortest:
-        raise PlanError(f"the per-rank cap of {cfg.max_tokens} tokens is smaller than the shortest sequence "
+    if cfg.tokens_per_rank < shortest:
+        raise PlanError(f"the per-rank cap of {cfg.tokens_per_rank} tokens is smaller than the shortest sequence "
                         f"({shortest} tokens)")
-    if longest > cfg.max_tokens * max(cfg.tps):
+    if longest > cfg.tokens_per_rank * max(cfg.tps):
         raise PlanError(f"the longest sequence ({longest} tokens) needs more than tp{max(cfg.tps)} x "
-                        f"{cfg.max_tokens} tokens; raise --max-tokens or lower --context")
+                        f"{cfg.tokens_per_rank} tokens; raise --tokens-per-rank or lower --context")
 
 
 def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[CostModel, dict]:
@@ -165,9 +165,9 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
         from hcompile.tools.profile import build_model
 
         captured = CompiledModel(build_model(cfg.model)).captured(ANALYSIS_TOKENS).graph_module
-        return cpu_cost_model(captured, cfg.model, cfg.ranks, cfg.max_tokens), {"cost": "analytic"}
+        return cpu_cost_model(captured, cfg.model, cfg.ranks, cfg.tokens_per_rank), {"cost": "analytic"}
     if cfg.cost == "profile":
-        job = ProfileJob(model=cfg.model, tps=cfg.tps, max_tokens=cfg.max_tokens, gpus=cfg.ranks, seed=cfg.seed)
+        job = ProfileJob(model=cfg.model, tps=cfg.tps, tokens_per_rank=cfg.tokens_per_rank, gpus=cfg.ranks, seed=cfg.seed)
         report = run_profile(job, show_progress=show_progress)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"profile-{cfg.model}.json"
@@ -177,7 +177,7 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
                        for f in report.fits}
     else:
         profile, info = load_profile_file(cfg.cost), {"cost": "file", "profile_file": cfg.cost}
-    return cost_model_from_profile(profile, cfg.max_tokens, schemes, gpus_per_node=cfg.ranks), info
+    return cost_model_from_profile(profile, cfg.tokens_per_rank, schemes, gpus_per_node=cfg.ranks), info
 
 
 def text_batches(cfg: E2EConfig) -> tuple[LengthDataset, list[list[list[int]]]]:
@@ -203,10 +203,10 @@ def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("result
         batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
     _check_fits(cfg, data)
     cost_model, cost_info = build_cost_model(cfg, show_progress, out)
-    buckets = token_buckets(cfg.max_tokens * max(cfg.tps))
+    buckets = token_buckets(cfg.tokens_per_rank * max(cfg.tps))
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
                   tokens=None if tokens is None else tuple(tuple(map(tuple, b)) for b in tokens),
-                  warmup=cfg.warmup, max_tokens=cfg.max_tokens, buckets=buckets.sizes, cost_model=cost_model,
+                  warmup=cfg.warmup, tokens_per_rank=cfg.tokens_per_rank, buckets=buckets.sizes, cost_model=cost_model,
                   dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns)
     started = time.perf_counter()
     records = run_local_ranks(cfg.ranks, rank_main, job, timeout_s=cfg.timeout_s)[0]
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-documents", choices=("drop", "split"), default=d.long_documents,
                    help=f"stdlib documents longer than the context: left out or cut into pieces ({d.long_documents})")
     p.add_argument("--ranks", type=int, default=d.ranks, help=f"local ranks ({d.ranks})")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"per-rank token cap ({d.max_tokens})")
+    p.add_argument("--tokens-per-rank", type=int, default=d.tokens_per_rank, help=f"per-rank token cap ({d.tokens_per_rank})")
     p.add_argument("--global-tokens", type=int, default=d.global_tokens, help=f"tokens per step ({d.global_tokens})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"measured steps per policy ({d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"unmeasured steps per policy ({d.warmup})")
@@ -357,12 +357,12 @@ def config_from_args(args: argparse.Namespace) -> E2EConfig:
     policies = tuple(args.policies or DEFAULT_POLICIES)
     if args.smoke:
         return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, long_documents=args.long_documents,
-                         ranks=args.ranks, max_tokens=64,
+                         ranks=args.ranks, tokens_per_rank=64,
                          global_tokens=256, steps=2, warmup=1, max_tp=2, policies=policies, cost="analytic",
                          seed=args.seed, take_turns=args.take_turns)
     return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, long_documents=args.long_documents,
                      ranks=args.ranks,
-                     max_tokens=args.max_tokens, global_tokens=args.global_tokens, steps=args.steps,
+                     tokens_per_rank=args.tokens_per_rank, global_tokens=args.global_tokens, steps=args.steps,
                      warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed,
                      take_turns=args.take_turns)
 

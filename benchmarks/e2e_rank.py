@@ -36,7 +36,7 @@ class RankJob:
     """The token ids of every sequence of every step (real text), or None: random tokens of those lengths."""
     warmup: int
     """Leading steps that are not measured."""
-    max_tokens: int
+    tokens_per_rank: int
     """Per-rank token cap."""
     buckets: tuple[int, ...]
     """Token buckets of micro-batches."""
@@ -88,7 +88,7 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
 
     init_weights_(compiled.model, seed=job.seed)
     buckets = TokenBuckets(sizes=job.buckets)
-    options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr}, max_tokens=job.max_tokens,
+    options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr}, tokens_per_rank=job.tokens_per_rank,
                            policy=policy, buckets=buckets, replicas_take_turns=job.take_turns)
     trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
     started = time.perf_counter()

@@ -131,8 +131,8 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
 
     with hcompile.empty_init():
         model = Llama(cfg)
-    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
-                               strategies=list(strategies), max_tokens=64, buckets=TokenBuckets.powers_of_two(32, 256),
+    trainer = hcompile.compile(model, buckets=TokenBuckets.powers_of_two(32, 256)).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                               strategies=list(strategies), tokens_per_rank=64,
                                calibrate=False, init=hcompile.normal_init(0.02))
     layout, executor = trainer.layout, trainer.executor
     rows = []

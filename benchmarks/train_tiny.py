@@ -47,8 +47,8 @@ def main() -> None:
     data = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=args.tokens, max_len=min(2, ranks) * args.max_tokens,
                         seed=0)
     lengths = LengthDataset.from_lengths("stdlib", [len(s) for doc in corpus.documents for s in data.sequences(doc)])
-    trainer = hcompile.compile(build_model(), loss="causal_lm", optimizer=torch.optim.AdamW,
-                               optimizer_kwargs={"lr": 3e-3}, strategies="auto", max_tokens=args.max_tokens,
+    trainer = hcompile.compile(build_model()).trainer(loss="causal_lm", optimizer=torch.optim.AdamW,
+                               optimizer_kwargs={"lr": 3e-3}, strategies="auto", tokens_per_rank=args.max_tokens,
                                dataset=lengths)  # the strategy pool is built from the data's lengths
     start = 0
     if args.resume:

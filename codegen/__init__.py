@@ -7,13 +7,13 @@ generated from; ``reference_forward`` / ``reference_backward`` are the plain-tor
 Triton itself is imported only when a Triton kernel is first generated, so this package imports without it.
 
 For graph rewrites: the op is ``torch.ops.hydraulis.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal,
-softmax_scale, backend) -> (out, lse)`` with ``max_seqlen`` a SymInt and ``backend`` already resolved
-("triton", "cpu-flash" or "reference"; see ``resolve_backend``); its autograd calls ``torch.ops.hydraulis.
+softmax_scale, kernel) -> (out, lse)`` with ``max_seqlen`` a SymInt and ``kernel`` already resolved
+("triton", "cpu-flash" or "reference"; see ``resolve_kernel``); its autograd calls ``torch.ops.hydraulis.
 packed_attention_backward``.  Either compile with dynamic shapes or pass ``bucket_max_seqlen(longest)``.
 """
 
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
-from codegen.op import bucket_max_seqlen, packed_attention, packed_attention_backward_op, packed_attention_op, resolve_backend
+from codegen.op import bucket_max_seqlen, packed_attention, packed_attention_backward_op, packed_attention_op, resolve_kernel
 from codegen.reference import reference_backward, reference_forward
 from codegen.spec import TRITON_HEAD_DIMS, KernelSpec, spec_space
 from codegen.triton_launch import interpreting, triton_available
@@ -30,7 +30,7 @@ __all__ = [
     "packed_attention_op",
     "reference_backward",
     "reference_forward",
-    "resolve_backend",
+    "resolve_kernel",
     "spec_space",
     "triton_available",
 ]

@@ -5,7 +5,7 @@ Two ``torch.library`` custom ops, forward and backward, each with a fake impleme
 backward op.  ``max_seqlen`` is a ``SymInt`` in both schemas, so with dynamic shapes it is a symbol like the
 token and sequence counts and new lengths do not recompile.  The real implementations validate the values of
 ``cu_seqlens`` (a ValueError, before any kernel runs) and dispatch to the Triton kernels, to PyTorch's fused
-CPU flash kernel or to the plain-torch reference, as the already resolved ``backend`` string says.
+CPU flash kernel or to the plain-torch reference, as the already resolved ``kernel`` string says.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from codegen.reference import reference_backward, reference_forward
 from codegen.triton_launch import triton_backward, triton_forward
-from codegen.validation import check_backend, check_layout, check_offsets
+from codegen.validation import check_kernel, check_layout, check_offsets
 
 _FORWARD_NAME = "hydraulis::packed_attention"
 _BACKWARD_NAME = "hydraulis::packed_attention_backward"
@@ -33,20 +33,20 @@ def packed_attention_op(
     max_seqlen: int,
     causal: bool,
     softmax_scale: float,
-    backend: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed attention forward on one backend ("triton", "cpu-flash" or "reference"); returns (out, lse)."""
-    check_layout(q, k, v, cu_seqlens, max_seqlen, backend)
+    """Packed attention forward on one kernel ("triton", "cpu-flash" or "reference"); returns (out, lse)."""
+    check_layout(q, k, v, cu_seqlens, max_seqlen, kernel)
     offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
-    if backend == "triton":
+    if kernel == "triton":
         return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale)
-    if backend == "cpu-flash":
+    if kernel == "cpu-flash":
         return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
     return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
 
 
 @packed_attention_op.register_fake
-def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend):
+def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, kernel):
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
@@ -64,7 +64,7 @@ def packed_attention_backward_op(
     max_seqlen: int,
     causal: bool,
     softmax_scale: float,
-    backend: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp.
 
@@ -72,35 +72,35 @@ def packed_attention_backward_op(
     would synchronise the GPU), the reference path needs the offsets on the host anyway.
     """
     kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
-    if backend == "triton":
+    if kernel == "triton":
         return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, **kwargs)
     offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
-    if backend == "cpu-flash":
+    if kernel == "cpu-flash":
         return cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
     return reference_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
 
 
 @packed_attention_backward_op.register_fake
 def _packed_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
-                                    backend):
+                                    kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, kernel = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.max_seqlen = max_seqlen
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
-    ctx.backend = backend
+    ctx.kernel = kernel
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
     # lse is an internal output that packed_attention never returns, so grad_lse is None or zeros.
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     grad_q, grad_k, grad_v = packed_attention_backward_op(
-        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.backend
+        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.kernel
     )
     return grad_q, grad_k, grad_v, None, None, None, None, None
 
@@ -116,11 +116,11 @@ def bucket_max_seqlen(max_seqlen: int, *, minimum: int = 16) -> int:
     return max(minimum, 1 << max(max_seqlen - 1, 0).bit_length())
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_kernel(kernel: str, device: torch.device) -> str:
     """``"auto"`` is Triton on a CUDA device, the fused CPU flash kernel on the CPU and the reference elsewhere;
     other names pass through."""
-    if backend != "auto":
-        return backend
+    if kernel != "auto":
+        return kernel
     return {"cuda": "triton", "cpu": "cpu-flash"}.get(device.type, "reference")
 
 
@@ -133,21 +133,21 @@ def packed_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Attention within each sequence of a packed batch; differentiable in q, k and v.
 
     q: (total_tokens, heads_q, head_dim); k, v: (total_tokens, heads_kv, head_dim) with heads_q % heads_kv == 0
     (GQA, MQA); cu_seqlens: int32 (num_seqs + 1) offsets from 0 to total_tokens, non-decreasing; max_seqlen:
-    an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``backend``:
+    an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``kernel``:
     "triton", "cpu-flash" (PyTorch's fused CPU kernel), "reference" (plain torch, the oracle) or "auto" (Triton on
     a GPU, cpu-flash on the CPU, the reference elsewhere).  Returns a tensor like q.
     Contract violations raise ValueError before any kernel runs.  Under torch.compile, compile with dynamic
     shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
     lengths and sequence counts reuse the compiled graph.
     """
-    check_backend(backend)
-    resolved = resolve_backend(backend, q.device)
+    check_kernel(kernel)
+    resolved = resolve_kernel(kernel, q.device)
     check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, resolved)

@@ -16,10 +16,10 @@ TRITON_HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
 """Head dims the Triton kernels are generated for (powers of two: ``tl.arange`` needs them)."""
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-"""Element types of q, k and v that both backends accept."""
+"""Element types of q, k and v that both kernels accept."""
 
 MAX_REFERENCE_HEAD_DIM = 256
-"""The reference backend accepts any head dim from 1 up to this."""
+"""The reference kernel accepts any head dim from 1 up to this."""
 
 INTERPRETER_BLOCK = 16
 """Block size (rows and columns) used under ``TRITON_INTERPRET=1``: the smallest ``tl.dot`` accepts."""

@@ -36,16 +36,16 @@ def triton_available() -> bool:
 
 
 def require_triton_runnable(device: torch.device) -> None:
-    """Raise a RuntimeError explaining why the Triton backend cannot run on ``device``, if it cannot."""
+    """Raise a RuntimeError explaining why the Triton kernel cannot run on ``device``, if it cannot."""
     if not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package: pip install 'hydraulis[triton]'")
+        raise RuntimeError("kernel='triton' needs the triton package: pip install 'hydraulis[triton]'")
     if device.type == "cpu" and not interpreting():
         raise RuntimeError(
-            "backend='triton' on CPU tensors runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before the first call, or use backend='reference'"
+            "kernel='triton' on CPU tensors runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before the first call, or use kernel='reference'"
         )
     if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"backend='triton' does not support device {device}")
+        raise RuntimeError(f"kernel='triton' does not support device {device}")
 
 
 def _problem_specs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[KernelSpec, ...]:

@@ -11,17 +11,17 @@ import torch
 
 from codegen.spec import MAX_REFERENCE_HEAD_DIM, SUPPORTED_DTYPES, TRITON_HEAD_DIMS
 
-BACKENDS: tuple[str, ...] = ("auto", "triton", "cpu-flash", "reference")
-"""Accepted values of ``backend`` in ``packed_attention``."""
+KERNELS: tuple[str, ...] = ("auto", "triton", "cpu-flash", "reference")
+"""Accepted values of ``kernel`` in ``packed_attention``."""
 
-RESOLVED_BACKENDS: tuple[str, ...] = ("triton", "cpu-flash", "reference")
+RESOLVED_KERNELS: tuple[str, ...] = ("triton", "cpu-flash", "reference")
 """Backends the custom op itself runs ("auto" is resolved by ``packed_attention`` before the op is called)."""
 
 
-def check_backend(backend: str) -> None:
-    """Reject an unknown backend name."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+def check_kernel(kernel: str) -> None:
+    """Reject an unknown kernel name."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
 
 
 def check_layout(
@@ -30,11 +30,11 @@ def check_layout(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
-    backend: str,
+    kernel: str,
 ) -> None:
-    """Validate shapes, dtypes, devices and head counts for a resolved backend (no tensor values are read)."""
-    if backend not in RESOLVED_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {RESOLVED_BACKENDS}; resolve 'auto' first")
+    """Validate shapes, dtypes, devices and head counts for a resolved kernel (no tensor values are read)."""
+    if kernel not in RESOLVED_KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {RESOLVED_KERNELS}; resolve 'auto' first")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, heads, head_dim); got shape {tuple(tensor.shape)}")
@@ -44,8 +44,8 @@ def check_layout(
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device == cu_seqlens.device):
         raise ValueError(f"devices differ: q {q.device}, k {k.device}, v {v.device}, cu_seqlens {cu_seqlens.device}")
-    if backend == "cpu-flash" and q.device.type != "cpu":
-        raise ValueError(f"backend='cpu-flash' runs on the CPU only; the tensors are on {q.device}")
+    if kernel == "cpu-flash" and q.device.type != "cpu":
+        raise ValueError(f"kernel='cpu-flash' runs on the CPU only; the tensors are on {q.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
@@ -53,7 +53,7 @@ def check_layout(
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q head_dim={q.shape[2]} differs from k/v head_dim={k.shape[2]}")
     _check_heads(q.shape[1], k.shape[1])
-    _check_head_dim(q.shape[2], backend)
+    _check_head_dim(q.shape[2], kernel)
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens.dtype={cu_seqlens.dtype}; it must be torch.int32")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
@@ -69,8 +69,8 @@ def _check_heads(heads_q: int, heads_kv: int) -> None:
         raise ValueError(f"heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
 
 
-def _check_head_dim(head_dim: int, backend: str) -> None:
-    if backend in ("reference", "cpu-flash"):
+def _check_head_dim(head_dim: int, kernel: str) -> None:
+    if kernel in ("reference", "cpu-flash"):
         if not 1 <= head_dim <= MAX_REFERENCE_HEAD_DIM:
             raise ValueError(f"head_dim={head_dim} is outside 1..{MAX_REFERENCE_HEAD_DIM}")
     elif head_dim not in TRITON_HEAD_DIMS:

@@ -1,10 +1,13 @@
-"""What users touch: the decorator and ``compile()``, the capture backend, meta-device construction and
-initialisation for large models, config presets and the ``hcompile`` command line. May import every other
-package."""
+"""What users touch: ``compile()`` (a ``CompiledModel``) and the ``@hydraulis`` decorator, training through
+``CompiledModel.trainer(...)`` or ``Trainer(compiled, TrainOptions(...))``, real data (``hcompile.data``),
+meta-device construction and initialisation for large models, capture, and the ``hcompile`` command line.
+``hcompile.tools`` holds what is not the user API (profiling, the planner simulation, local jobs). May import
+every other package."""
 
 from hcompile.api import CompiledModel, compile, hydraulis
 from hcompile.capture import CaptureError, Captured, capture
 from hcompile.init import empty_init, normal_init
+from hcompile.train import TrainOptions, Trainer
 
-__all__ = ["CaptureError", "Captured", "CompiledModel", "capture", "compile", "empty_init", "hydraulis",
-           "normal_init"]
+__all__ = ["CaptureError", "Captured", "CompiledModel", "TrainOptions", "Trainer", "capture", "compile",
+           "empty_init", "hydraulis", "normal_init"]

@@ -9,7 +9,7 @@ runtime's per-(scheme, stage, bucket) variants from the same capture.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import fx, nn
@@ -21,18 +21,22 @@ from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, run_passes
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
 
+if TYPE_CHECKING:
+    from hcompile.train import Trainer
+
 __all__ = ["CompiledModel", "compile", "hydraulis"]
 
 
 class CompiledModel:
     """A model with its packed forward and its variants, compiled lazily and cached per bucket."""
 
-    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
-                 **runtime_options: Any) -> None:
+    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "eager") -> None:
         self.model = model
         self.buckets = buckets
-        self.backend = backend
-        self.runtime_options = dict(runtime_options)  # e.g. cluster=...: read by the runtime's train_step
+        """Token buckets micro-batches are padded to (None: one graph per exact token count); a trainer without
+        buckets of its own uses these."""
+        self.compile_backend = compile_backend
+        """The torch.compile backend of the variants."""
         self._captures: dict[int, Captured] = {}
         self._packed: dict[int, fx.GraphModule] = {}
         self._variants: dict[tuple, Variant] = {}
@@ -40,6 +44,16 @@ class CompiledModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
+
+    def trainer(self, **options: Any) -> "Trainer":
+        """A :class:`hcompile.Trainer` of this model: ``options`` are the fields of
+        :class:`hcompile.TrainOptions` (``loss``, ``optimizer``, ``optimizer_kwargs``, ``strategies``,
+        ``tokens_per_rank``, ...) and the trainer's own arguments (``cost_model``, ``dataset``, ``cluster``,
+        ``init``, ``state_dict``)."""
+        from hcompile.train import TrainOptions, Trainer
+
+        extra = {k: options.pop(k) for k in ("cost_model", "dataset", "cluster", "init", "state_dict") if k in options}
+        return Trainer(self, TrainOptions(**options), **extra)
 
     def captured(self, tokens: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> Captured:
@@ -88,7 +102,7 @@ class CompiledModel:
             captured = self.captured(bucket)
             self._variants[(key, tp_rank, tp_group)] = build_variant(
                 captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
-                output_index=captured.output_index, backend=self.backend)
+                output_index=captured.output_index, compile_backend=self.compile_backend)
         return self._variants[(key, tp_rank, tp_group)]
 
 
@@ -100,29 +114,24 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, backend: str = "eager",
-            **training: Any) -> Any:
-    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use).
+def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "eager",
+            **unexpected: Any) -> CompiledModel:
+    """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use); train
+    it with ``.trainer(...)``.
 
     ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
-    ``backend``: the torch.compile backend of the variants. With training options (``loss``, ``optimizer``,
-    ``optimizer_kwargs``, ``strategies``, ``max_tokens``, ``policy``, ``calibrate``, ``param_dtype``,
-    ``reduce_dtype``; see ``hcompile.train.TrainOptions``; and ``cost_model``, ``dataset``, ``cluster``,
-    ``init``, ``state_dict``; see ``hcompile.train.Trainer``) it returns a ``hcompile.train.Trainer`` whose
-    ``train_step(batch)`` trains on every rank."""
+    ``compile_backend``: the torch.compile backend of the variants."""
+    if unexpected:
+        raise TypeError(f"hcompile.compile takes buckets and compile_backend, got {sorted(unexpected)}; training "
+                        "options go to hcompile.compile(model).trainer(...)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
-    compiled = CompiledModel(model, buckets=buckets, backend=backend)
-    if not training:
-        return compiled
-    from hcompile.train import TrainOptions, Trainer
-
-    extra = {k: training.pop(k) for k in ("cost_model", "dataset", "cluster", "init", "state_dict") if k in training}
-    return Trainer(compiled, TrainOptions(buckets=buckets, **training), **extra)
+    return CompiledModel(model, buckets=buckets, compile_backend=compile_backend)
 
 
 def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type] | type:
-    """Class decorator: instances gain ``packed`` and ``variant``, compiled on first use with ``options``."""
+    """Class decorator: instances gain ``packed``, ``variant`` and ``trainer``, compiled on first use with
+    ``options`` (those of :func:`compile`)."""
 
     def wrap(klass: type) -> type:
         if not (isinstance(klass, type) and issubclass(klass, nn.Module)):
@@ -136,6 +145,7 @@ def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type]
         klass.hcompiled = property(compiled)
         klass.packed = lambda self, input_ids, cu_seqlens: compiled(self).packed(input_ids, cu_seqlens)
         klass.variant = lambda self, *args, **kwargs: compiled(self).variant(*args, **kwargs)
+        klass.trainer = lambda self, **kwargs: compiled(self).trainer(**kwargs)
         return klass
 
     return wrap(cls) if cls is not None else wrap

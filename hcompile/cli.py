@@ -68,7 +68,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama-small", help="CPU model preset: llama-small, llama-tiny")
     p.add_argument("--tp", type=_positive_int, action="append", dest="tps", metavar="N",
                    help="a tensor-parallel degree to profile, repeatable (default 1, 2, 4)")
-    p.add_argument("--max-tokens", type=_positive_int, default=512, help="per-rank memory cap in tokens (512)")
+    p.add_argument("--tokens-per-rank", type=_positive_int, default=512, help="per-rank memory cap in tokens (512)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per micro-batch, median kept (5)")
     p.add_argument("--gpus", type=_positive_int, default=4, help="ranks the memory constants are written for (4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out lengths (0)")
@@ -108,9 +108,9 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hcompile.tools.spawn import RankError
 
     if args.smoke:
-        job = ProfileJob(model="llama-tiny", tps=(1, 2), max_tokens=128, repeats=2, gpus=args.gpus, seed=args.seed)
+        job = ProfileJob(model="llama-tiny", tps=(1, 2), tokens_per_rank=128, repeats=2, gpus=args.gpus, seed=args.seed)
     else:
-        job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), max_tokens=args.max_tokens,
+        job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), tokens_per_rank=args.tokens_per_rank,
                          repeats=args.repeats, gpus=args.gpus, seed=args.seed)
     check_output_path(args.out, "--out")  # before minutes of profiling
     try:

@@ -2,7 +2,7 @@
 
 Owns :func:`empty_init`, a context manager under which modules get their parameters on the meta device (no
 memory; their buffers stay real, so values computed in ``__init__`` such as rotary frequencies survive), and
-:func:`normal_init`, a deterministic per-parameter initialiser for ``hcompile.compile(..., init=...)``: every
+:func:`normal_init`, a deterministic per-parameter initialiser for ``hcompile.compile(...).trainer(init=...)``: every
 rank draws the same values for a parameter from a generator seeded by the parameter's name, one parameter at
 a time, so each rank fills its shard of the fixed layout without the whole model ever existing anywhere.
 """
@@ -27,7 +27,7 @@ def empty_init() -> Iterator[None]:
 
         with hcompile.empty_init():
             model = LlamaForCausalLM(config)        # no parameter memory
-        trainer = hcompile.compile(model, loss="causal_lm", init=hcompile.normal_init(0.02), ...)
+        trainer = hcompile.compile(model).trainer(loss="causal_lm", init=hcompile.normal_init(0.02), ...)
     """
     original = nn.Module.register_parameter
 

@@ -1,4 +1,4 @@
-"""Heterogeneous training: ``hcompile.compile(model, loss="causal_lm", optimizer=...)`` returns a
+"""Heterogeneous training: ``hcompile.compile(model).trainer(loss="causal_lm", optimizer=...)`` returns a
 ``Trainer`` whose ``train_step(batch)`` plans the global batch (strategy, dispatch, packing), runs this
 rank's replica with compiled variants, and steps the optimiser on the fixed ZeRO-1 layout.
 
@@ -56,13 +56,14 @@ class TrainOptions:
     """Keyword arguments of the optimiser."""
     strategies: str | tuple[str, ...] = "auto"
     """``auto`` (a pool built from the data) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")``."""
-    max_tokens: int | None = None
+    tokens_per_rank: int | None = None
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
     None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
     policy: str = "hydraulis"
     """Planner policy (the baselines are available for side-by-side runs)."""
     buckets: TokenBuckets | None = None
-    """Token buckets micro-batches are padded to; default powers of two from 64 tokens."""
+    """Token buckets micro-batches are padded to; default: the compiled model's, else powers of two from 64
+    tokens. The trainer keeps its own and leaves the compiled model's alone."""
     replicas_take_turns: bool = False
     """Replicas compute one after the other within a step (``Executor.take_turns``): for measuring per-rank
     busy times on a host with fewer cores than ranks; slower in wall-clock time."""
@@ -89,9 +90,9 @@ class TrainOptions:
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        value = self.tokens_per_rank
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"tokens_per_rank must be a positive integer or None, got {value!r}")
         if self.strategies != "auto":
             for text in self.strategies:
                 Strategy.parse(text)
@@ -174,7 +175,7 @@ class CompiledProvider:
             captured = self.captured(bucket)
             self._variants[cache] = build_variant(
                 captured.graph_module, VariantKey(scheme=scheme, stage=stage, bucket=bucket), tp_rank=tp_rank,
-                tp_group=group, output_index=captured.output_index, backend=self.compiled.backend)
+                tp_group=group, output_index=captured.output_index, compile_backend=self.compiled.compile_backend)
         return self._variants[cache]
 
     def buffer(self, name: str) -> torch.Tensor:
@@ -214,17 +215,17 @@ class CompiledProvider:
         return largest
 
 
-def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, max_tokens: int | None,
+def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
                    runtime: RuntimeMemory = HCOMPILE_RUNTIME) -> CostModel:
     """Analytic cost model of a captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
-    pp at most the layer count and tp*pp dividing the world size, each capped at ``max_tokens * tp`` tokens
+    pp at most the layer count and tp*pp dividing the world size, each capped at ``tokens_per_rank * tp`` tokens
     per micro-batch (1024 per rank when None) and by the memory ``runtime`` leaves."""
     analysis = analyze_graph(captured)
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
     model = analytic_cost_model(analysis, CPU, schemes, name=f"{name}@cpu", world_size=world_size, runtime=runtime)
-    per_rank = 1024 if max_tokens is None else max_tokens
+    per_rank = 1024 if tokens_per_rank is None else tokens_per_rank
     return cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
 
 
@@ -247,7 +248,7 @@ class Trainer:
         then hold the same ones). A model built on the meta device needs one of them."""
         self.options, self.dataset = options, dataset
         self.ctx = _context()
-        buckets = options.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
+        buckets = options.buckets or compiled.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
         self.param_dtype = options.param_dtype or (torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32)
         """The compute copies' dtype (the master weights and optimiser state stay fp32)."""
         self.provider = CompiledProvider(compiled, buckets, self.param_dtype, self.ctx.device)
@@ -262,10 +263,10 @@ class Trainer:
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
         model = cost_model or cpu_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
-                                             type(compiled.model).__name__, self.ctx.world_size, options.max_tokens,
+                                             type(compiled.model).__name__, self.ctx.world_size, options.tokens_per_rank,
                                              memory)
-        if cost_model is not None and options.max_tokens is not None:
-            model = cap_tokens(model, {e.scheme: options.max_tokens * e.scheme.tp for e in model.entries})
+        if cost_model is not None and options.tokens_per_rank is not None:
+            model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
         capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
         self.cost_model = dataclasses.replace(cap_tokens(model, {e.scheme: capturable for e in model.entries}),
                                               buckets=buckets.sizes)
@@ -414,7 +415,7 @@ def _bytes(dtype: torch.dtype) -> int:
 
 def _context() -> DistContext:
     if dist.is_initialized():
-        backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend, device=device)
+        dist_backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist_backend == "nccl" else torch.device("cpu")
+        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), dist_backend=dist_backend, device=device)
     return init_distributed()

@@ -26,23 +26,23 @@ class DistContext:
     """Global rank."""
     world_size: int
     """Ranks in the job."""
-    backend: str
+    dist_backend: str
     """``nccl`` or ``gloo``."""
     device: torch.device
     """Where this rank computes."""
 
 
 def init_distributed(init_method: str | None = None, rank: int | None = None, world_size: int | None = None,
-                     timeout_s: float | None = None, backend: str | None = None) -> DistContext:
+                     timeout_s: float | None = None, dist_backend: str | None = None) -> DistContext:
     """Join the job (reading ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from torchrun when not given); a process
     started without a launcher (no ``WORLD_SIZE``, no ``MASTER_ADDR``) is a world of one. Collectives time out
     after ``timeout_s`` (env ``HCOMPILE_TIMEOUT_S``), so a dead rank ends the job."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     timeout_s = float(os.environ.get("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if dist_backend is None:
+        dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist_backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
@@ -52,11 +52,11 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
         timeout = datetime.timedelta(seconds=timeout_s)
         if world_size == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
             # a plain `python train.py`: a world of one, its store in memory (no launcher, no rendezvous)
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend=dist_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank,
+            dist.init_process_group(backend=dist_backend, init_method=init_method or "env://", rank=rank,
                                     world_size=world_size, timeout=timeout)
-    return DistContext(rank=rank, world_size=world_size, backend=backend, device=device)
+    return DistContext(rank=rank, world_size=world_size, dist_backend=dist_backend, device=device)
 
 
 class GroupCache:

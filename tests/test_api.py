@@ -15,7 +15,7 @@ def _packed_batch(lens, vocab=96):
 
 
 def test_decorated_class_compiles_on_first_use_and_keeps_options():
-    @hcompile.hydraulis(buckets=TokenBuckets(sizes=(16,)), cluster="local-4")
+    @hcompile.hydraulis(buckets=TokenBuckets(sizes=(16,)), compile_backend="aot_eager")
     class Tiny(GPT):
         pass
 
@@ -26,7 +26,7 @@ def test_decorated_class_compiles_on_first_use_and_keeps_options():
     ref = torch.cat([model(seq[None])[0] for seq in ids.split([4, 6])])
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert model.hcompiled is model.hcompiled
-    assert model.hcompiled.runtime_options == {"cluster": "local-4"}
+    assert model.hcompiled.compile_backend == "aot_eager" and callable(model.trainer)
     assert isinstance(model, nn.Module) and model(ids[None]).shape == (1, 10, 96)
 
 
@@ -49,6 +49,8 @@ def test_bad_inputs_are_named():
         hcompile.compile(lambda x: x)
     with pytest.raises(TypeError, match="decorates nn.Module classes"):
         hcompile.hydraulis(int)
+    with pytest.raises(TypeError, match=r"got \['loss', 'optimizer'\]; training options go to .*\.trainer"):
+        hcompile.compile(GPT(), loss="causal_lm", optimizer=torch.optim.SGD)
 
 
 class _Breaks(nn.Module):

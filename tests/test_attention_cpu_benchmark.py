@@ -1,9 +1,9 @@
-"""benchmarks.attention_cpu: runs and prints both backends; bad sizes exit 2."""
+"""benchmarks.attention_cpu: runs and prints both kernels; bad sizes exit 2."""
 
 from benchmarks.attention_cpu import main
 
 
-def test_cpu_attention_benchmark_prints_both_backends(capsys):
+def test_cpu_attention_benchmark_prints_both_kernels(capsys):
     assert main(["--totals", "32", "--repeats", "1", "--heads", "2", "--head-dim", "8"]) == 0
     out = capsys.readouterr().out
     assert "reference ms" in out and "cpu-flash ms" in out and out.count("x\n") == 2

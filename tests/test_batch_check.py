@@ -34,9 +34,9 @@ def _mismatch(rank, world):
     import hcompile
     from hcompile.models import Llama, LlamaConfig, init_weights_
 
-    trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0), loss="causal_lm",
+    trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0)).trainer(loss="causal_lm",
                                optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=["2x(tp1)"],
-                               max_tokens=64, calibrate=False)
+                               tokens_per_rank=64, calibrate=False)
     good = [torch.arange(10) % 64, torch.arange(7) % 64]
     errors = []
     before = trainer.full_state_dict()

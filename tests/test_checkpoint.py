@@ -23,9 +23,9 @@ def _trainer(strategies=("4x(tp1)", "2x(tp2)", "1x(tp2)+2x(tp1)")):
     import hcompile
     from hcompile.models import Llama, LlamaConfig, init_weights_
 
-    return hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0), loss="causal_lm",
+    return hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0)).trainer(loss="causal_lm",
                             optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
-                            strategies=list(strategies), max_tokens=48, calibrate=False)
+                            strategies=list(strategies), tokens_per_rank=48, calibrate=False)
 
 
 def _batches(n=6):

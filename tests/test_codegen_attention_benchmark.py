@@ -60,7 +60,7 @@ def test_padded_sdpa_baseline_computes_packed_attention():
     case = attention.make_case("sdpa_padded", *batch.inputs())
     assert case.leaves[0].shape == (3, 4, 12, 16)  # (batch, heads, max_seqlen, d)
     got = attention.unpad(case.forward(), batch.cu_seqlens.tolist())
-    want = codegen.packed_attention(*batch.inputs(), backend="reference")
+    want = codegen.packed_attention(*batch.inputs(), kernel="reference")
     assert relative_error(got, want) < 1e-5
 
 
@@ -71,7 +71,7 @@ def test_hydraulis_case_runs_the_triton_op(monkeypatch):
     out = case.forward()
     grads = torch.autograd.grad(out, case.leaves, torch.ones_like(out))
     assert [g.shape for g in grads] == [x.shape for x in (batch.q, batch.k, batch.v)]
-    assert relative_error(out, codegen.packed_attention(*batch.inputs(), backend="reference")) < 1e-4
+    assert relative_error(out, codegen.packed_attention(*batch.inputs(), kernel="reference")) < 1e-4
 
 
 def test_bad_config_names_the_value():
@@ -86,5 +86,5 @@ def test_flex_document_mask_baseline_computes_packed_attention():
     run = attention.flex_runner(batch.cu_seqlens, total=32, compiled=False)
     q, k, v = (x.detach() for x in (batch.q, batch.k, batch.v))  # flex has no CPU backward
     got = run(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-    want = codegen.packed_attention(*batch.inputs(), backend="reference")
+    want = codegen.packed_attention(*batch.inputs(), kernel="reference")
     assert relative_error(got, want) < 1e-5

@@ -19,27 +19,27 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _op_args(batch, backend: str, causal: bool = True) -> tuple:
-    return (*batch.inputs(), causal, batch.q.shape[2] ** -0.5, backend)
+def _op_args(batch, kernel: str, causal: bool = True) -> tuple:
+    return (*batch.inputs(), causal, batch.q.shape[2] ** -0.5, kernel)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu-flash", "triton"])
-def test_opcheck_forward(backend):
+@pytest.mark.parametrize("kernel", ["reference", "cpu-flash", "triton"])
+def test_opcheck_forward(kernel):
     batch = make_batch([3, 0, 18], heads_q=4, heads_kv=2, head_dim=16)
-    torch.library.opcheck(codegen.packed_attention_op, _op_args(batch, backend))
+    torch.library.opcheck(codegen.packed_attention_op, _op_args(batch, kernel))
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu-flash"])
-def test_opcheck_backward_op(backend):
+@pytest.mark.parametrize("kernel", ["reference", "cpu-flash"])
+def test_opcheck_backward_op(kernel):
     batch = make_batch([5, 9], heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = (x.detach() for x in (batch.q, batch.k, batch.v))
-    out, lse = codegen.packed_attention_op(q, k, v, batch.cu_seqlens, 9, True, 0.25, backend)
-    args = (torch.randn_like(out), q, k, v, out, lse, batch.cu_seqlens, 9, True, 0.25, backend)
+    out, lse = codegen.packed_attention_op(q, k, v, batch.cu_seqlens, 9, True, 0.25, kernel)
+    args = (torch.randn_like(out), q, k, v, out, lse, batch.cu_seqlens, 9, True, 0.25, kernel)
     torch.library.opcheck(codegen.packed_attention_backward_op, args)
 
 
 def _loss(q, k, v, cu_seqlens, max_seqlen):
-    out = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, backend="reference")
+    out = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, kernel="reference")
     return (out * out).sum()
 
 
@@ -105,24 +105,24 @@ def test_triton_backend_under_torch_compile():
     batch = make_batch([6, 17], heads_q=2, heads_kv=2, head_dim=16)
 
     def loss(q, k, v, cu_seqlens, max_seqlen):
-        return codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, backend="triton").sum()
+        return codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, kernel="triton").sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     compiled(*batch.inputs()).backward()
     reference = make_batch([6, 17], heads_q=2, heads_kv=2, head_dim=16)
-    codegen.packed_attention(*reference.inputs(), backend="reference").sum().backward()
+    codegen.packed_attention(*reference.inputs(), kernel="reference").sum().backward()
     assert relative_error(batch.k.grad, reference.k.grad) < 1e-4
 
 
-def test_auto_backend_is_cpu_flash_on_cpu_and_triton_on_cuda():
-    assert codegen.resolve_backend("auto", torch.device("cpu")) == "cpu-flash"
-    assert codegen.resolve_backend("auto", torch.device("cuda", 0)) == "triton"
-    assert codegen.resolve_backend("auto", torch.device("meta")) == "reference"
-    assert codegen.resolve_backend("triton", torch.device("cpu")) == "triton"
+def test_auto_kernel_is_cpu_flash_on_cpu_and_triton_on_cuda():
+    assert codegen.resolve_kernel("auto", torch.device("cpu")) == "cpu-flash"
+    assert codegen.resolve_kernel("auto", torch.device("cuda", 0)) == "triton"
+    assert codegen.resolve_kernel("auto", torch.device("meta")) == "reference"
+    assert codegen.resolve_kernel("triton", torch.device("cpu")) == "triton"
     batch = make_batch([4, 3], heads_q=2, heads_kv=2, head_dim=8)  # head_dim 8: no Triton kernel, so auto chose cpu
     out = codegen.packed_attention(*batch.inputs())
-    torch.testing.assert_close(out, codegen.packed_attention(*batch.inputs(), backend="cpu-flash"))
-    torch.testing.assert_close(out, codegen.packed_attention(*batch.inputs(), backend="reference"))
+    torch.testing.assert_close(out, codegen.packed_attention(*batch.inputs(), kernel="cpu-flash"))
+    torch.testing.assert_close(out, codegen.packed_attention(*batch.inputs(), kernel="reference"))
 
 
 def _bad(**changes):
@@ -154,18 +154,18 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize(
-    ("case", "backend"),
-    [(case, backend) for case in sorted(BAD_INPUTS) for backend in ("triton", "reference", "cpu-flash")
-     if (case, backend) not in {("head-dim", "reference"), ("head-dim", "cpu-flash")}],  # any head dim up to 256
+    ("case", "kernel"),
+    [(case, kernel) for case in sorted(BAD_INPUTS) for kernel in ("triton", "reference", "cpu-flash")
+     if (case, kernel) not in {("head-dim", "reference"), ("head-dim", "cpu-flash")}],  # any head dim up to 256
 )
-def test_contract_violations_raise_value_error_naming_the_value(case, backend, monkeypatch):
+def test_contract_violations_raise_value_error_naming_the_value(case, kernel, monkeypatch):
     args, message = BAD_INPUTS[case]
     launched = []
     from codegen import triton_launch
 
     monkeypatch.setattr(triton_launch, "_launch", lambda *a, **k: launched.append(a))
     with pytest.raises(ValueError, match=message):
-        codegen.packed_attention(**args, backend=backend)
+        codegen.packed_attention(**args, kernel=kernel)
     assert not launched
 
 
@@ -179,18 +179,18 @@ def test_offsets_are_checked_at_run_time_under_torch_compile():
         compiled(batch.q, batch.k, batch.v, decreasing, 6)
 
 
-def test_the_op_itself_runs_only_resolved_backends():
+def test_the_op_itself_runs_only_resolved_kernels():
     batch = make_batch([3, 5], heads_q=2, heads_kv=2, head_dim=16)
-    with pytest.raises(ValueError, match="backend='auto'.*resolve 'auto' first"):
+    with pytest.raises(ValueError, match="kernel='auto'.*resolve 'auto' first"):
         codegen.packed_attention_op(*_op_args(batch, "auto"))
 
 
-def test_unknown_backend_and_reference_head_dim_limit():
-    with pytest.raises(ValueError, match="backend='cuda'"):
-        codegen.packed_attention(**_bad(), backend="cuda")
+def test_unknown_kernel_and_reference_head_dim_limit():
+    with pytest.raises(ValueError, match="kernel='cuda'"):
+        codegen.packed_attention(**_bad(), kernel="cuda")
     too_wide = {name: torch.randn(T, heads, 300) for name, heads in (("q", 4), ("k", 2), ("v", 2))}
     with pytest.raises(ValueError, match="head_dim=300"):
-        codegen.packed_attention(**_bad(**too_wide), backend="reference")
+        codegen.packed_attention(**_bad(**too_wide), kernel="reference")
 
 
 def test_import_without_triton_and_reference_still_works():
@@ -201,7 +201,7 @@ def test_import_without_triton_and_reference_still_works():
         "q = torch.randn(5, 2, 16); cu = torch.tensor([0, 2, 5], dtype=torch.int32)\n"
         "print(codegen.packed_attention(q, q, q, cu, 3).shape)\n"
         "try:\n"
-        "    codegen.packed_attention(q, q, q, cu, 3, backend='triton')\n"
+        "    codegen.packed_attention(q, q, q, cu, 3, kernel='triton')\n"
         "except RuntimeError as error:\n"
         "    print('error:', error)\n"
     )

@@ -1,4 +1,4 @@
-"""The CPU backends through the custom op (the plain-torch reference and the fused ``cpu-flash`` kernel) against
+"""The CPU kernels through the custom op (the plain-torch reference and the fused ``cpu-flash`` kernel) against
 naive dense masked attention, and against each other."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 import codegen
 
 LAYOUTS = [(2, 2), (4, 2), (4, 1)]  # (heads_q, heads_kv): MHA, GQA, MQA
-CPU_BACKENDS = ["reference", "cpu-flash"]
+CPU_KERNELS = ["reference", "cpu-flash"]
 
 
 def _check_against_dense(lengths: list[int], heads_q: int, heads_kv: int, causal: bool, seed: int = 0,
-                         backend: str = "reference") -> None:
+                         kernel: str = "reference") -> None:
     batch = make_batch(lengths, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, seed=seed)
     scale = 1 / math.sqrt(8)
-    out = codegen.packed_attention(*batch.inputs(), causal=causal, backend=backend)
+    out = codegen.packed_attention(*batch.inputs(), causal=causal, kernel=kernel)
     expected = dense_masked_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, causal=causal, scale=scale)
     assert relative_error(out, expected) < 1e-5
     grad_out = torch.randn_like(out)
@@ -34,12 +34,12 @@ def _check_against_dense(lengths: list[int], heads_q: int, heads_kv: int, causal
         assert relative_error(g, w, floor=floor) < 1e-5, f"grad {name}"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", LAYOUTS)
 @pytest.mark.parametrize("lengths", [[1], [13], [3, 0, 7, 1, 5], [1, 1, 1, 1], [0, 6, 0]])
-def test_cpu_backends_match_dense_masked_attention(lengths, heads, causal, backend):
-    _check_against_dense(lengths, *heads, causal, backend=backend)
+def test_cpu_kernels_match_dense_masked_attention(lengths, heads, causal, kernel):
+    _check_against_dense(lengths, *heads, causal, kernel=kernel)
 
 
 @settings(max_examples=25, deadline=None)
@@ -48,10 +48,10 @@ def test_cpu_backends_match_dense_masked_attention(lengths, heads, causal, backe
     heads=st.sampled_from(LAYOUTS),
     causal=st.booleans(),
     seed=st.integers(0, 2**16),
-    backend=st.sampled_from(CPU_BACKENDS),
+    kernel=st.sampled_from(CPU_KERNELS),
 )
-def test_cpu_backends_match_dense_on_random_ragged_batches(lengths, heads, causal, seed, backend):
-    _check_against_dense(lengths, *heads, causal, seed=seed, backend=backend)
+def test_cpu_kernels_match_dense_on_random_ragged_batches(lengths, heads, causal, seed, kernel):
+    _check_against_dense(lengths, *heads, causal, seed=seed, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -59,8 +59,8 @@ def test_cpu_flash_matches_the_reference_in_half_precision(dtype):
     """Longer sequences than the tile size, in 16-bit: both accumulate in fp32, so they agree to rounding."""
     got = make_batch([70, 0, 130, 9], heads_q=4, heads_kv=2, head_dim=32, dtype=dtype, seed=3)
     want = make_batch([70, 0, 130, 9], heads_q=4, heads_kv=2, head_dim=32, dtype=dtype, seed=3)
-    out = codegen.packed_attention(*got.inputs(), backend="cpu-flash")
-    ref = codegen.packed_attention(*want.inputs(), backend="reference")
+    out = codegen.packed_attention(*got.inputs(), kernel="cpu-flash")
+    ref = codegen.packed_attention(*want.inputs(), kernel="reference")
     assert out.dtype == dtype
     assert relative_error(out, ref) < 2e-2
     grad_out = torch.randn_like(out)
@@ -74,31 +74,31 @@ def test_cpu_flash_rejects_tensors_off_the_cpu():
     batch = make_batch([3, 5], heads_q=2, heads_kv=2, head_dim=8)
     meta = [t.detach().to("meta") for t in (batch.q, batch.k, batch.v, batch.cu_seqlens)]
     with pytest.raises(ValueError, match="cpu-flash.*CPU only.*meta"):
-        codegen.packed_attention(*meta, batch.max_seqlen, backend="cpu-flash")
+        codegen.packed_attention(*meta, batch.max_seqlen, kernel="cpu-flash")
 
 
 def test_reference_keeps_sequences_apart():
     """Changing one sequence's values must not change another sequence's output."""
     batch = make_batch([4, 5], heads_q=2, heads_kv=2, head_dim=8)
     q, k, v, cu_seqlens, max_seqlen = (x.detach() if isinstance(x, torch.Tensor) else x for x in batch.inputs())
-    before = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=False, backend="reference")
+    before = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=False, kernel="reference")
     k2, v2 = k.clone(), v.clone()
     k2[4:] += 3.0
     v2[4:] -= 2.0
-    after = codegen.packed_attention(q, k2, v2, cu_seqlens, max_seqlen, causal=False, backend="reference")
+    after = codegen.packed_attention(q, k2, v2, cu_seqlens, max_seqlen, causal=False, kernel="reference")
     assert torch.equal(before[:4], after[:4])
     assert not torch.allclose(before[4:], after[4:])
 
 
 def test_reference_causal_first_token_copies_its_value():
     batch = make_batch([3, 6], heads_q=2, heads_kv=1, head_dim=8)
-    out = codegen.packed_attention(*batch.inputs(), causal=True, backend="reference")
+    out = codegen.packed_attention(*batch.inputs(), causal=True, kernel="reference")
     for start in (0, 3):
         torch.testing.assert_close(out[start], batch.v[start].expand(2, 8))
 
 
 def test_reference_honours_softmax_scale():
     batch = make_batch([5, 2], heads_q=2, heads_kv=2, head_dim=8)
-    out = codegen.packed_attention(*batch.inputs(), softmax_scale=0.7, backend="reference")
+    out = codegen.packed_attention(*batch.inputs(), softmax_scale=0.7, kernel="reference")
     expected = dense_masked_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, causal=True, scale=0.7)
     assert relative_error(out, expected) < 1e-5

@@ -24,8 +24,8 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _run(batch: PackedBatch, backend: str, causal: bool, grad_out: torch.Tensor | None):
-    out = codegen.packed_attention(*batch.inputs(), causal=causal, backend=backend)
+def _run(batch: PackedBatch, kernel: str, causal: bool, grad_out: torch.Tensor | None):
+    out = codegen.packed_attention(*batch.inputs(), causal=causal, kernel=kernel)
     grads = torch.autograd.grad(out, (batch.q, batch.k, batch.v), grad_out) if grad_out is not None else ()
     return out, grads
 
@@ -102,15 +102,15 @@ def test_custom_softmax_scale_and_strided_inputs():
     batch = make_batch([10, 6], heads_q=2, heads_kv=2, head_dim=16)
     q_strided = torch.randn(16, 16, 2).transpose(1, 2).requires_grad_()  # (T, heads, d), not contiguous
     out = codegen.packed_attention(q_strided, batch.k, batch.v, batch.cu_seqlens, 10, softmax_scale=0.3,
-                                   backend="triton")
+                                   kernel="triton")
     ref = codegen.packed_attention(q_strided, batch.k, batch.v, batch.cu_seqlens, 10, softmax_scale=0.3,
-                                   backend="reference")
+                                   kernel="reference")
     assert relative_error(out, ref) < 1e-4
 
 
 def test_empty_batch():
     batch = make_batch([0, 0], heads_q=2, heads_kv=1, head_dim=16)
-    out = codegen.packed_attention(*batch.inputs(), backend="triton")
+    out = codegen.packed_attention(*batch.inputs(), kernel="triton")
     assert out.shape == (0, 2, 16)
     out.sum().backward()
     assert batch.q.grad.shape == (0, 2, 16)
@@ -120,4 +120,4 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     batch = make_batch([4], heads_q=2, heads_kv=2, head_dim=16)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        codegen.packed_attention(*batch.inputs(), backend="triton")
+        codegen.packed_attention(*batch.inputs(), kernel="triton")

@@ -117,8 +117,8 @@ def _resume(rank, world, ckpt):
     from hcompile.models import Llama, LlamaConfig, init_weights_
 
     def trainer():
-        return hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=256)), seed=0), loss="causal_lm",
-                                optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3}, max_tokens=128,
+        return hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=256)), seed=0)).trainer(loss="causal_lm",
+                                optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3}, tokens_per_rank=128,
                                 strategies=["2x(tp1)"], calibrate=False)
 
     def batches():

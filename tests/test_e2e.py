@@ -19,7 +19,7 @@ def test_scale_dataset_keeps_counts_and_hits_the_context():
 def test_text_batches_are_real_bytes_within_the_budget():
     from hcompile.data import python_stdlib
 
-    cfg = E2EConfig(model="llama-tiny", context=128, max_tokens=64, global_tokens=256, steps=2, warmup=1)
+    cfg = E2EConfig(model="llama-tiny", context=128, tokens_per_rank=64, global_tokens=256, steps=2, warmup=1)
     data, batches = text_batches(cfg)
     assert len(batches) == 3 and data.max_len <= 128 and data.num_seqs > 1000
     for batch in batches:
@@ -58,10 +58,10 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "gpt-huge"], "gpt-huge"),
     (["--dataset", "wikipedia"], "wikipedia"),
-    (["--dataset", "python-code", "--max-tokens", "64", "--context", "1048576", "--cost", "analytic"],
+    (["--dataset", "python-code", "--tokens-per-rank", "64", "--context", "1048576", "--cost", "analytic"],
      "shortest sequence"),
     (["--context", "8192", "--cost", "analytic"], "more than the batch budget 4096"),
-    (["--max-tokens", "64", "--context", "4096", "--max-tp", "4", "--cost", "analytic"], "longest sequence"),
+    (["--tokens-per-rank", "64", "--context", "4096", "--max-tp", "4", "--cost", "analytic"], "longest sequence"),
     (["--ranks", "100000"], "more than this machine can start"),
     (["--policy", "magic"], "magic"),
 ])

@@ -58,9 +58,9 @@ def _train(rank, world, cases, lr):
 
     out = []
     for name, seed, steps in cases:
-        trainer = hcompile.compile(_make(name, seed), loss="causal_lm", optimizer=torch.optim.SGD,
+        trainer = hcompile.compile(_make(name, seed), buckets=BUCKETS).trainer(loss="causal_lm", optimizer=torch.optim.SGD,
                                    optimizer_kwargs={"lr": lr}, strategies=sorted({s for s, _ in steps}),
-                                   max_tokens=CAP, buckets=BUCKETS, calibrate=False)
+                                   tokens_per_rank=CAP, calibrate=False)
         results = []
         for strategy, lens in steps:
             batch = _batch(name, seed, lens)
@@ -134,8 +134,8 @@ def _one_rank(rank, world):
     import hcompile
 
     model = init_weights_(GPT(GPTConfig(block_size=256)), seed=1)
-    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
-                               strategies=["1x(tp1)"], max_tokens=128, calibrate=False)
+    trainer = hcompile.compile(model).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
+                               strategies=["1x(tp1)"], tokens_per_rank=128, calibrate=False)
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, GPTConfig().vocab, (n,), generator=g) for n in (120, 50)]
     stats = trainer.train_step(batch)
@@ -159,7 +159,7 @@ def _two_trainers(rank, world):
 
     compiled = CompiledModel(_make("llama", 5), buckets=BUCKETS)
     options = TrainOptions(optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=("2x(tp1)",),
-                           max_tokens=CAP, buckets=BUCKETS, calibrate=False)
+                           tokens_per_rank=CAP, buckets=BUCKETS, calibrate=False)
     first, second = Trainer(compiled, options), Trainer(compiled, options)
     losses = []
     for lens in ([14, 22, 15, 9], [23, 5, 18, 2]):

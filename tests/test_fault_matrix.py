@@ -21,9 +21,9 @@ from hcompile.models import Llama, LlamaConfig, init_weights_
 from passes.plan.policies import Planner
 
 fault, ckpt = sys.argv[1], sys.argv[2]
-trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0), loss="causal_lm",
+trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0)).trainer(loss="causal_lm",
                            optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=["2x(tp1)"],
-                           max_tokens=64, calibrate=False, plan_timeout_s=8)
+                           tokens_per_rank=64, calibrate=False, plan_timeout_s=8)
 rank = dist.get_rank()
 batch = [torch.arange(12) % 64, torch.arange(9) % 64]
 trainer.train_step(batch)

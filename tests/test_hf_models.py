@@ -46,9 +46,9 @@ def _batches() -> list[list[torch.Tensor]]:
 def _train(rank, world, name):
     import hcompile
 
-    trainer = hcompile.compile(make_model(name), loss="causal_lm", optimizer=torch.optim.SGD,
-                               optimizer_kwargs={"lr": 0.5}, strategies=STRATEGIES, max_tokens=24,
-                               buckets=BUCKETS, calibrate=False)
+    trainer = hcompile.compile(make_model(name),
+                               buckets=BUCKETS).trainer(loss="causal_lm", optimizer=torch.optim.SGD,
+                               optimizer_kwargs={"lr": 0.5}, strategies=STRATEGIES, tokens_per_rank=24, calibrate=False)
     out = []
     for strategy, batch in zip(STRATEGIES, _batches()):
         stats = trainer.train_step(batch, strategy=strategy)

@@ -52,8 +52,8 @@ def _meta_train(rank, world, strategy, source):
     on_meta = all(p.device.type == "meta" for p in model.parameters())
     kwargs = {"init": normal_init(0.3, seed=2)} if source == "init" else {
         "state_dict": _reference_state() if rank == 0 else None}
-    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3},
-                               strategies=[strategy], max_tokens=24, buckets=BUCKETS, calibrate=False, **kwargs)
+    trainer = hcompile.compile(model, buckets=BUCKETS, **kwargs).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3},
+                               strategies=[strategy], tokens_per_rank=24, calibrate=False)
     losses, largest = [], 0
     for i, batch in enumerate(_batches()):
         mode = LargestTensor()
@@ -107,9 +107,9 @@ def _bf16(rank, world):
 
     out = []
     for param_dtype, reduce_dtype in CONFIGS:
-        trainer = hcompile.compile(init_weights_(Llama(CFG), seed=3), loss="causal_lm", optimizer=torch.optim.SGD,
-                                   optimizer_kwargs={"lr": 0.3}, strategies=["1x(tp2)+2x(tp1)"], max_tokens=24,
-                                   buckets=BUCKETS, calibrate=False, param_dtype=param_dtype,
+        trainer = hcompile.compile(init_weights_(Llama(CFG), seed=3),
+                                   buckets=BUCKETS).trainer(loss="causal_lm", optimizer=torch.optim.SGD,
+                                   optimizer_kwargs={"lr": 0.3}, strategies=["1x(tp2)+2x(tp1)"], tokens_per_rank=24, calibrate=False, param_dtype=param_dtype,
                                    reduce_dtype=reduce_dtype)
         stats = [trainer.train_step(batch, strategy="1x(tp2)+2x(tp1)") for batch in _batches()]
         dtypes = {params.dtype for _, params in trainer.executor._params.values()}

@@ -9,7 +9,7 @@ from runtime.distributed import init_distributed
 ctx = init_distributed(timeout_s=60)
 t = torch.tensor([float(ctx.rank + 1)])
 dist.all_reduce(t)
-open(sys.argv[1] + f".{ctx.rank}", "w").write(f"{ctx.world_size} {ctx.backend} {int(t.item())}")
+open(sys.argv[1] + f".{ctx.rank}", "w").write(f"{ctx.world_size} {ctx.dist_backend} {int(t.item())}")
 dist.destroy_process_group()
 """
 

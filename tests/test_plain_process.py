@@ -1,4 +1,4 @@
-"""``hcompile.compile(model, loss=...)`` in a plain ``python`` process (no launcher, no MASTER_ADDR) trains as a
+"""``hcompile.compile(model).trainer(loss=...)`` in a plain ``python`` process (no launcher, no MASTER_ADDR) trains as a
 world of one, and matches single-process SGD."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from hcompile.models import Llama, LlamaConfig, init_weights_
 SCRIPT = textwrap.dedent("""
     import json, torch, hcompile
     from hcompile.models import Llama, LlamaConfig, init_weights_
-    trainer = hcompile.compile(init_weights_(Llama(LlamaConfig()), seed=0), loss="causal_lm",
-                               optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, max_tokens=64)
+    trainer = hcompile.compile(init_weights_(Llama(LlamaConfig()), seed=0)).trainer(loss="causal_lm",
+                               optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, tokens_per_rank=64)
     g = torch.Generator().manual_seed(0)
     losses = [trainer.train_step([torch.randint(0, 96, (n,), generator=g) for n in (30, 12, 50)]).loss
               for _ in range(2)]

@@ -27,7 +27,7 @@ def _train(rank, world, strategies, lr, take_turns=False):
     from runtime.fixed_layout import FixedLayout
     from runtime.topology import Cluster
 
-    ctx = DistContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
+    ctx = DistContext(rank=rank, world_size=world, dist_backend="gloo", device=torch.device("cpu"))
     layout = FixedLayout.from_tensors(init_params(0), rank, world)
     ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr), StagedProvider(),
                   take_turns=take_turns)

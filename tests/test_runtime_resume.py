@@ -19,7 +19,7 @@ def _setup(rank, world):
     from runtime.fixed_layout import FixedLayout
     from runtime.topology import Cluster
 
-    ctx = DistContext(rank=rank, world_size=world, backend="gloo", device=torch.device("cpu"))
+    ctx = DistContext(rank=rank, world_size=world, dist_backend="gloo", device=torch.device("cpu"))
     layout = FixedLayout.from_tensors(init_params(0), rank, world)
     opt = torch.optim.AdamW([layout.shard], lr=1e-2, weight_decay=0.1)
     return layout, opt, Executor(ctx, Cluster.local(world), layout, opt, StagedProvider())

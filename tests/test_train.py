@@ -1,4 +1,4 @@
-"""hcompile.compile(..., optimizer=...).train_step on 4 gloo ranks: heterogeneous strategies of the compiled
+"""hcompile.compile(...).trainer(optimizer=...).train_step on 4 gloo ranks: heterogeneous strategies of the compiled
 GPT and LLaMA models give the single-process losses and parameters."""
 
 import math
@@ -36,15 +36,15 @@ def _train(rank, world, name, lr):
     import hcompile
 
     model, cfg = make(name)
-    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
-                               strategies=STRATEGIES, max_tokens=64)
+    trainer = hcompile.compile(model).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
+                               strategies=STRATEGIES, tokens_per_rank=64)
     out = []
     data = batches(cfg.vocab)
     for strategy, batch in zip(STRATEGIES, data):
         stats = trainer.train_step(batch, strategy=strategy)
         out.append((stats.loss, stats.strategy, stats.recompiles, trainer.full_state_dict()))
-    adam = hcompile.compile(make(name)[0], loss="causal_lm", optimizer=torch.optim.AdamW,
-                            optimizer_kwargs={"lr": 1e-2}, strategies=STRATEGIES, max_tokens=64)
+    adam = hcompile.compile(make(name)[0]).trainer(loss="causal_lm", optimizer=torch.optim.AdamW,
+                            optimizer_kwargs={"lr": 1e-2}, strategies=STRATEGIES, tokens_per_rank=64)
     adam_losses = [adam.train_step(batch, strategy=s).loss for s, batch in zip(STRATEGIES, data)]
     return out, adam_losses
 
@@ -85,8 +85,8 @@ def _auto(rank, world):
     from passes.plan.ir import PlanError
 
     model, cfg = make("llama")
-    trainer = hcompile.compile(model, loss="causal_lm", optimizer=torch.optim.AdamW,
-                               optimizer_kwargs={"lr": 1e-3}, strategies="auto", max_tokens=48)
+    trainer = hcompile.compile(model).trainer(loss="causal_lm", optimizer=torch.optim.AdamW,
+                               optimizer_kwargs={"lr": 1e-3}, strategies="auto", tokens_per_rank=48)
     g = torch.Generator().manual_seed(5)
     lengths = [[int(x) for x in torch.randint(1, 48, (9,), generator=g)] + [90] for _ in range(23)]
     data = [[torch.randint(0, cfg.vocab, (n,), generator=g) for n in step] for step in lengths]

@@ -68,7 +68,7 @@ class ProfileJob:
     """A CPU model preset (``CPU_MODELS``)."""
     tps: tuple[int, ...] = (1, 2, 4)
     """Tensor-parallel degrees to profile (pp = 1)."""
-    max_tokens: int = 512
+    tokens_per_rank: int = 512
     """Per-rank memory cap in tokens: tp = k runs micro-batches up to k times this."""
     repeats: int = 5
     """Timed runs per micro-batch (the median counts), after one untimed run; the sweep is timed this many
@@ -89,13 +89,13 @@ class ProfileJob:
         for tp in self.tps:
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or cfg.kv_heads % tp:
                 raise PlanError(f"tp {tp!r} must be a positive divisor of the model's {cfg.kv_heads} kv heads")
-        for name in ("max_tokens", "repeats", "gpus"):
+        for name in ("tokens_per_rank", "repeats", "gpus"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_tokens < 128:
-            raise PlanError(f"max_tokens must be at least 128 (the memory model counts in 128-token steps), "
-                            f"got {self.max_tokens!r}")
+        if self.tokens_per_rank < 128:
+            raise PlanError(f"tokens_per_rank must be at least 128 (the memory model counts in 128-token steps), "
+                            f"got {self.tokens_per_rank!r}")
         if self.gpus % max(self.tps):
             raise PlanError(f"gpus {self.gpus!r} is not a multiple of the largest tp {max(self.tps)}")
 
@@ -273,7 +273,7 @@ class ProfileReport:
         draft = self._dict(memory, bound_mib=0.0)
         probe = Profile.from_dict(draft)
         layout = Strategy.homogeneous(smallest.scheme, self.job.gpus)
-        tokens = self.job.max_tokens * smallest.scheme.tp + 0.5
+        tokens = self.job.tokens_per_rank * smallest.scheme.tp + 0.5
         bound = state_bytes(probe, smallest.scheme, layout, HCOMPILE_RUNTIME) + tokens * smallest.act_bytes_per_token
         return memory, bound / MIB
 
@@ -285,7 +285,7 @@ class ProfileReport:
             "optimizer_shardable_fraction": SHARDABLE_FRACTION,
             "source": f"hcompile profile on this machine: thread CPU time of forward+backward of packed "
                       f"micro-batches, busiest of tp ranks, median of {self.job.repeats}; memory bound set so "
-                      f"that tp=1 holds {self.job.max_tokens} tokens per rank",
+                      f"that tp=1 holds {self.job.tokens_per_rank} tokens per rank",
             "model": {"name": self.job.model, "layers": cfg.layers, "hidden": cfg.hidden,
                       "ffn_hidden": cfg.ffn_hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab},
             "memory": memory,
@@ -301,7 +301,7 @@ class ProfileReport:
         probe = Profile.from_dict(data)
         for entry, f in zip(data["schemes"], self.fits):
             entry["max_tokens"] = max_tokens_for(probe, f.scheme, layout, HCOMPILE_RUNTIME)
-        data["max_tokens_per_rank"] = self.job.max_tokens
+        data["max_tokens_per_rank"] = self.job.tokens_per_rank
         data["measurements"] = [{"tp": f.scheme.tp, "seq_lens": list(lens), "ms": round(ms, 3), "held_out": h}
                                 for f in self.fits for lens, ms, h in f.points]
         data["wall_s"] = round(self.wall_s, 1)
@@ -324,7 +324,7 @@ def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
     started = time.perf_counter()
     fits = []
     for tp in job.tps:
-        cap = job.max_tokens * tp
+        cap = job.tokens_per_rank * tp
         buckets = token_buckets(cap)
         packs = sweep_packs(cap, buckets, job.seed + tp)
         results = run_local_ranks(tp, _time_packs, job.model, job.seed, packs, job.repeats, buckets.sizes,
@@ -338,14 +338,14 @@ def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
                          wall_s=time.perf_counter() - started)
 
 
-def cost_model_from_profile(profile: Profile, max_tokens: int, schemes: list[ParallelScheme] | None = None,
+def cost_model_from_profile(profile: Profile, tokens_per_rank: int, schemes: list[ParallelScheme] | None = None,
                             gpus_per_node: int | None = None) -> CostModel:
-    """The profiled coefficients with a per-rank token cap: scheme tp holds ``max_tokens * tp`` tokens."""
+    """The profiled coefficients with a per-rank token cap: scheme tp holds ``tokens_per_rank * tp`` tokens."""
     entries = tuple(SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens * s.tp)
                     for s, a, b, c in profile.coefficients if schemes is None or s in schemes)
     if not entries:
         raise PlanError(f"profile {profile.name!r} has none of the schemes {schemes}")
-    return CostModel(name=f"{profile.name} cap {max_tokens}/rank", entries=entries,
+    return CostModel(name=f"{profile.name} cap {tokens_per_rank}/rank", entries=entries,
                      gpus_per_node=gpus_per_node or profile.gpus_per_node)
 
 
@@ -359,7 +359,7 @@ def format_profile(report: ProfileReport, out: str | None = None) -> str:
         lines.append(f"{f.scheme.describe():<10} {f.a:>13.3e} {f.b:>11.4f} {f.c:>8.2f} {f.r2:>7.4f} "
                      f"{100 * f.mape:>12.1f}% {f.act_bytes_per_token:>11.0f} {entry['max_tokens']:>10}")
     lines.append(f"memory budget {data['hardware']['memory_bound_mib']:.1f} MiB per rank "
-                 f"(tp=1 holds {report.job.max_tokens} tokens; longest micro-batches under the optimiser layout "
+                 f"(tp=1 holds {report.job.tokens_per_rank} tokens; longest micro-batches under the optimiser layout "
                  f"{report.layout().describe()})")
     if out:
         lines.append(f"wrote {out}")

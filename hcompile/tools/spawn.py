@@ -23,7 +23,7 @@ class RankError(RuntimeError):
     """A rank of a local job failed or the job ran past its timeout."""
 
 
-def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s: float, backend: str) -> None:
+def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s: float, dist_backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -31,9 +31,9 @@ def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s
     torch.set_num_threads(1)  # per-rank busy time means "one core per rank"
     out = Path(tmp) / f"rank{rank}.pkl"
     try:
-        if backend == "nccl":
+        if dist_backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+        dist.init_process_group(dist_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         result = fn(rank, world, *args)
         dist.barrier()
@@ -45,12 +45,12 @@ def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s
 
 
 def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0,
-                    backend: str = "gloo") -> list[Any]:
+                    dist_backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world, *args)`` (a module-level function) on ``world`` local ranks joined with
-    ``backend`` (``gloo``: CPU tensors; ``nccl``: rank r on GPU r); each rank's return value, in rank order.
+    ``dist_backend`` (``gloo``: CPU tensors; ``nccl``: rank r on GPU r); each rank's return value, in rank order.
     Raises RankError naming the first failed rank, or when ``timeout_s`` passes."""
-    if backend not in ("gloo", "nccl"):
-        raise RankError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if dist_backend not in ("gloo", "nccl"):
+        raise RankError(f"dist_backend must be 'gloo' or 'nccl', got {dist_backend!r}")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise RankError(f"the number of ranks must be a positive integer, got {world!r}")
     if world > max_local_ranks():
@@ -58,7 +58,7 @@ def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: f
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="hcompile-ranks-") as tmp:
-        ctx = mp.start_processes(_entry, args=(world, tmp, fn, args, timeout_s, backend), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, tmp, fn, args, timeout_s, dist_backend), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

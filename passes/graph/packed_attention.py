@@ -15,7 +15,7 @@ causal, within the sequences that positions restarting at 0 delimit, perhaps ins
 evaluated on a probe of several packed sequences, it is exactly causal within each sequence: it is then
 dropped. Any other mask, dropout, a batch other than 1 or positions sliced from a table (``cos_cached[:T]``)
 is an error that names the node and its module; a graph with no attention at all is an error too. A graph
-already packed is returned unchanged. Option ``packed_attention.backend`` picks the op's backend (default
+already packed is returned unchanged. Option ``packed_attention.kernel`` picks the op's kernel (default
 "auto").
 """
 
@@ -225,13 +225,13 @@ def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return graph.call_method("transpose", (graph.call_method("squeeze", (x, 0)), 0, 1))  # (1,H,T,D) -> (T,H,D)
 
 
-def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, backend: str) -> None:
+def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, kernel: str) -> None:
     q, k, v = node.args[:3]
     scale = _sdpa_arg(node, "scale")
     with graph.inserting_before(node):
         q3, k3, v3 = (_to_packed(graph, x) for x in (q, k, v))
         out = graph.call_function(codegen.packed_attention, (q3, k3, v3, cu_seqlens, max_seqlen),
-                                  {"causal": True, "softmax_scale": scale, "backend": backend})
+                                  {"causal": True, "softmax_scale": scale, "kernel": kernel})
         out4 = graph.call_method("unsqueeze", (graph.call_method("transpose", (out, 0, 1)), 0))  # (T,H,D)->(1,H,T,D)
     out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     node.replace_all_uses_with(out4)
@@ -260,7 +260,7 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     with graph.inserting_after(placeholders[-1]):
         cu_seqlens = graph.placeholder("cu_seqlens", type_expr=torch.Tensor)
     for node in sdpa:
-        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("packed_attention.backend", "auto"))
+        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("packed_attention.kernel", "auto"))
     graph.eliminate_dead_code()  # the masks the attention no longer reads
     aranges = [n for n in find_position_aranges(gm, total) if n not in index_aranges]
     for node in aranges:

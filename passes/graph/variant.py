@@ -220,7 +220,7 @@ def _stage_of(gm: fx.GraphModule, records: tuple[PassRecord, ...], stage: int) -
 
 
 def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0, tp_group: str | None = None,
-                  output_index: int = 0, backend: str = "eager", attention_backend: str = "auto",
+                  output_index: int = 0, compile_backend: str = "eager", attention_kernel: str = "auto",
                   vocab_parallel: bool = False) -> Variant:
     """Run tensor parallel, packed attention and pipeline split on a graph captured at ``key.bucket`` tokens
     (input (1, bucket)), keep stage ``key.stage`` and compile it once. ``vocab_parallel``: split the token
@@ -232,7 +232,7 @@ def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0
     # The pipeline cut is costed at one sequence length for every bucket: every node's cost then scales with
     # the bucket alike, so all buckets of a stage cut at the same place and read the same parameters.
     ctx = PassContext(scheme=key.scheme, tp_rank=tp_rank, tp_group=tp_group,
-                      options={"packed_attention.backend": attention_backend,
+                      options={"packed_attention.kernel": attention_kernel,
                                "tensor_parallel.vocab_parallel": vocab_parallel,
                                "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
     passes = [fold_repeat_kv_pass, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
@@ -243,7 +243,7 @@ def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0
     params = tuple(sl for sl in (tp.params if tp else _replicated(captured)) if sl.name in read)
     if boundary_out is None:
         boundary_out = tuple(a.name for a in next(n for n in stage_gm.graph.nodes if n.op == "output").all_input_nodes)
-    counter = CompileCounter(backend)
+    counter = CompileCounter(compile_backend)
     compiled = torch.compile(stage_gm, backend=counter, dynamic=False, fullgraph=True)
     return Variant(key=key, tp_rank=tp_rank, graph_module=stage_gm, params=params, inputs=inputs,
                    boundary_in=tuple(boundary_in), boundary_out=tuple(boundary_out), output_index=output_index,
