@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from benchmarks.provenance import commit
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -292,16 +293,11 @@ def smoke(config: BenchConfig) -> list[Row]:
 
 def stamp(config: BenchConfig, smoke_mode: bool) -> dict:
     """Commit, device and config stamped on every JSON line."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name()
     else:
         device = f"cpu ({platform.processor() or platform.machine()}, TRITON_INTERPRET=1)"
-    return {"benchmark": "attention", "commit": commit, "device": device, "smoke": smoke_mode,
+    return {"benchmark": "attention", "commit": commit(), "device": device, "smoke": smoke_mode,
             "torch": torch.__version__, "config": asdict(config)}
 
 

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     for total in totals:
         for seqs in (1, 8):
             lengths = [total // seqs] * seqs
-            ref, flash = (time_ms(lengths, args.heads, args.head_dim, b, args.repeats) for b in ("reference", "cpu-flash"))
+            ref, flash = (time_ms(lengths, args.heads, args.head_dim, b, args.repeats)
+                          for b in ("reference", "cpu-flash"))
             print(f"{total:>7} {seqs:>5} {ref:>13.2f} {flash:>13.2f} {ref / flash:>8.1f}x")
     return 0
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.provenance import commit
 from hcompile.data import ByteTokenizer, Corpus, DataError, TokenBatches, python_stdlib
 from hcompile.tools.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
 from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
@@ -167,7 +167,8 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
         captured = CompiledModel(build_model(cfg.model)).captured(ANALYSIS_TOKENS).graph_module
         return cpu_cost_model(captured, cfg.model, cfg.ranks, cfg.tokens_per_rank), {"cost": "analytic"}
     if cfg.cost == "profile":
-        job = ProfileJob(model=cfg.model, tps=cfg.tps, tokens_per_rank=cfg.tokens_per_rank, gpus=cfg.ranks, seed=cfg.seed)
+        job = ProfileJob(model=cfg.model, tps=cfg.tps, tokens_per_rank=cfg.tokens_per_rank, gpus=cfg.ranks,
+                         seed=cfg.seed)
         report = run_profile(job, show_progress=show_progress)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"profile-{cfg.model}.json"
@@ -267,16 +268,6 @@ def device_name() -> str:
     return f"cpu {platform.machine()} ({platform.processor() or 'unknown'}), 1 thread per rank"
 
 
-def commit() -> str:
-    """The git commit of the working tree (``unknown`` outside a checkout)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def format_table(summary: dict, baseline: str = "homogeneous-token") -> str:
     """The table printed at the end of a run."""
     pols = summary["policies"]
@@ -333,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-documents", choices=("drop", "split"), default=d.long_documents,
                    help=f"stdlib documents longer than the context: left out or cut into pieces ({d.long_documents})")
     p.add_argument("--ranks", type=int, default=d.ranks, help=f"local ranks ({d.ranks})")
-    p.add_argument("--tokens-per-rank", type=int, default=d.tokens_per_rank, help=f"per-rank token cap ({d.tokens_per_rank})")
+    p.add_argument("--tokens-per-rank", type=int, default=d.tokens_per_rank,
+                   help=f"per-rank token cap ({d.tokens_per_rank})")
     p.add_argument("--global-tokens", type=int, default=d.global_tokens, help=f"tokens per step ({d.global_tokens})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"measured steps per policy ({d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"unmeasured steps per policy ({d.warmup})")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from passes.graph.variant import TokenBuckets
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, StepPlan
-from passes.graph.variant import TokenBuckets
 
 __all__ = ["RankJob", "rank_main", "predicted_ms"]
 
@@ -88,7 +88,8 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
 
     init_weights_(compiled.model, seed=job.seed)
     buckets = TokenBuckets(sizes=job.buckets)
-    options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr}, tokens_per_rank=job.tokens_per_rank,
+    options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr},
+                           tokens_per_rank=job.tokens_per_rank,
                            policy=policy, buckets=buckets, replicas_take_turns=job.take_turns)
     trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
     started = time.perf_counter()

@@ -126,14 +126,14 @@ def _batch(cfg: LlamaConfig, step: int) -> list[torch.Tensor]:
 def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) -> list[dict]:
     import hcompile
     from hcompile.models import Llama
-    from passes.plan.ir import Strategy
     from passes.graph.variant import TokenBuckets
+    from passes.plan.ir import Strategy
 
     with hcompile.empty_init():
         model = Llama(cfg)
-    trainer = hcompile.compile(model, buckets=TokenBuckets.powers_of_two(32, 256)).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
-                               strategies=list(strategies), tokens_per_rank=64,
-                               calibrate=False, init=hcompile.normal_init(0.02))
+    trainer = hcompile.compile(model, buckets=TokenBuckets.powers_of_two(32, 256)).trainer(
+        loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=list(strategies),
+        tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02))
     layout, executor = trainer.layout, trainer.executor
     rows = []
     for i, strategy in enumerate(strategies):
@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         print(f"--out {args.out!r} is a file, expected a folder", file=sys.stderr)
         return 2
-    from benchmarks.e2e import commit, device_name
+    from benchmarks.e2e import device_name
+    from benchmarks.provenance import commit
 
     cfg, strategies = (SMOKE_MODEL, SMOKE_STRATEGIES) if args.smoke else (MODEL, STRATEGIES)
     rows = run(cfg, strategies)

@@ -14,11 +14,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.provenance import commit
 from hcompile.tools.simulate import BASELINE, PlanJob, PlanReport, format_report, run_plan_job
 from passes.plan.ir import CostModel, StepPlan
 
@@ -31,15 +31,6 @@ SETTINGS = (
     PlanJob(model="llama-32b", gpus=1024, dataset="commoncrawl", global_tokens=1_600_000, steps=10),
 )
 SMOKE = (PlanJob(model="llama-32b", gpus=64, dataset="commoncrawl", global_tokens=40_000, steps=2),)
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _device() -> str:
@@ -103,7 +94,7 @@ def _timeline(ax, plan: StepPlan, cost_model: CostModel) -> None:
 def run(jobs: tuple[PlanJob, ...], out_dir: Path, plot: bool = True) -> list[dict]:
     """Run each setting, print its table, append JSON lines, draw the plot; returns the JSON records."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = {"commit": _commit(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    stamp = {"commit": commit(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     reports, records = [], []
     for job in jobs:
         print(f"== {_label(job)}: planning {job.steps} steps x {len(job.policies)} policies ...", flush=True)

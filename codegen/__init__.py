@@ -13,7 +13,13 @@ packed_attention_backward``.  Either compile with dynamic shapes or pass ``bucke
 """
 
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
-from codegen.op import bucket_max_seqlen, packed_attention, packed_attention_backward_op, packed_attention_op, resolve_kernel
+from codegen.op import (
+    bucket_max_seqlen,
+    packed_attention,
+    packed_attention_backward_op,
+    packed_attention_op,
+    resolve_kernel,
+)
 from codegen.reference import reference_backward, reference_forward
 from codegen.spec import TRITON_HEAD_DIMS, KernelSpec, spec_space
 from codegen.triton_launch import interpreting, triton_available

@@ -9,8 +9,10 @@ head_dim); lse and delta are (heads_q, total_tokens) fp32; ``cu_seqlens`` is int
 handles one block of rows of one sequence and one head; rows past the sequence's end are masked, programs whose
 block starts past the end return at once.  Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) -
 lse * log2(e))``.  ``seqlen_bucket`` (max_seqlen rounded up to a power of two) is unused by the bodies: it is the
-autotune key on a GPU.  ``UPCAST`` casts loaded q, k, v, dout to fp32: the interpreter's ``tl.dot`` multiplies the raw
-bits of bf16 operands, so bf16 specs set it under ``TRITON_INTERPRET=1``.  Padding rows use a large finite negative score instead of -inf so that no NaN is formed.
+autotune key on a GPU.  ``UPCAST`` casts loaded q, k, v, dout to fp32: the interpreter's ``tl.dot`` multiplies
+the raw bits of bf16 operands, so bf16 specs set it under ``TRITON_INTERPRET=1``.  Padding rows use a large finite
+negative score instead of -inf so that no NaN is formed.  Every (tokens, head_dim) tile is read by ``load_tile``,
+a helper ``codegen.triton_launch`` jits beside the kernel (``HELPERS``).
 """
 
 
@@ -27,12 +29,24 @@ NEG_LARGE = tl.constexpr(-1.0e30)
 MAX_COMBINE = tl.standard._elementwise_max
 SUM_COMBINE = tl.standard._sum_combine
 
+HELPERS = ("load_tile",)
+"""Bodies the kernels call; jitted with them, in the same mode."""
+
+
+def load_tile(ptr, tokens, stride_t, head, stride_h, dims, ok, UPCAST: tl.constexpr):
+    """The (tokens, head_dim) tile of one head, rows where ``ok`` is false read as 0 (fp32 when UPCAST)."""
+    tile = tl.load(ptr + tokens[:, None] * stride_t + head * stride_h + dims[None, :], mask=ok[:, None], other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
 
 def packed_attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     scale, seqlen_bucket,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -44,10 +58,7 @@ def packed_attention_forward_kernel(
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < length
-        q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        q = load_tile(q_ptr, start + rows, stride_qt, head, stride_qh, dims, row_ok, UPCAST)
         qk_scale = scale * LOG2_E
         m_i = tl.full([BLOCK_M], NEG_LARGE, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -58,14 +69,8 @@ def packed_attention_forward_kernel(
         for col_start in range(0, stop, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)
             col_ok = cols < length
-            k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + head_kv * stride_kh + dims[None, :],
-                        mask=col_ok[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + head_kv * stride_vh + dims[None, :],
-                        mask=col_ok[:, None], other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
+            k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
+            v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
             visible = col_ok[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
@@ -87,7 +92,8 @@ def packed_attention_backward_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dqt, stride_dqh, stride_lh,
     scale, seqlen_bucket,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -99,14 +105,8 @@ def packed_attention_backward_dq_kernel(
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < length
-        q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        do = tl.load(dout_ptr + (start + rows)[:, None] * stride_dout_t + head * stride_dout_h + dims[None, :],
-                     mask=row_ok[:, None], other=0.0)
-        if UPCAST:
-            do = do.to(tl.float32)
+        q = load_tile(q_ptr, start + rows, stride_qt, head, stride_qh, dims, row_ok, UPCAST)
+        do = load_tile(dout_ptr, start + rows, stride_dout_t, head, stride_dout_h, dims, row_ok, UPCAST)
         lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
         delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
         qk_scale = scale * LOG2_E
@@ -117,14 +117,8 @@ def packed_attention_backward_dq_kernel(
         for col_start in range(0, stop, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)
             col_ok = cols < length
-            k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + head_kv * stride_kh + dims[None, :],
-                        mask=col_ok[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + head_kv * stride_vh + dims[None, :],
-                        mask=col_ok[:, None], other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
+            k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
+            v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
             visible = col_ok[None, :] & row_ok[:, None]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
@@ -143,7 +137,8 @@ def packed_attention_backward_dkdv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     scale, seqlen_bucket,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program owns a block of key rows of one kv head and loops over the GROUP query heads sharing it,
@@ -156,14 +151,8 @@ def packed_attention_backward_dkdv_kernel(
         cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
         col_ok = cols < length
-        k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + head_kv * stride_kh + dims[None, :],
-                    mask=col_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + head_kv * stride_vh + dims[None, :],
-                    mask=col_ok[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
+        k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
+        v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
         qk_scale = scale * LOG2_E
         dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
@@ -176,14 +165,8 @@ def packed_attention_backward_dkdv_kernel(
             for row_start in range(first_row, length, BLOCK_M):
                 rows = row_start + tl.arange(0, BLOCK_M)
                 row_ok = rows < length
-                q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                do = tl.load(dout_ptr + (start + rows)[:, None] * stride_dout_t + head * stride_dout_h + dims[None, :],
-                             mask=row_ok[:, None], other=0.0)
-                if UPCAST:
-                    do = do.to(tl.float32)
+                q = load_tile(q_ptr, start + rows, stride_qt, head, stride_qh, dims, row_ok, UPCAST)
+                do = load_tile(dout_ptr, start + rows, stride_dout_t, head, stride_dout_h, dims, row_ok, UPCAST)
                 lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
                 delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
                 visible = col_ok[:, None] & row_ok[None, :]  # transposed: (keys, queries)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 from typing import Any, Callable
 
 import torch
@@ -58,6 +59,18 @@ def _problem_specs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[Kern
     )
 
 
+def _with_helpers(body: Callable, triton: Any) -> Callable:
+    """``body`` over the kernel module's globals with every helper of ``triton_kernels.HELPERS`` jitted (in the
+    current interpreter mode): the kernels call them as Triton functions."""
+    from codegen import triton_kernels
+
+    namespace = dict(vars(triton_kernels))
+    namespace.update({name: triton.jit(getattr(triton_kernels, name)) for name in triton_kernels.HELPERS})
+    fn = types.FunctionType(body.__code__, namespace, body.__name__, body.__defaults__, body.__closure__)
+    fn.__doc__, fn.__module__, fn.__qualname__ = body.__doc__, body.__module__, body.__qualname__
+    return fn
+
+
 @functools.lru_cache(maxsize=None)
 def _generate(body_name: str, specs: tuple[KernelSpec, ...], interpret: bool) -> Any:
     """Jit one kernel body; wrap it in an autotuner over ``specs`` unless interpreting (then len(specs) == 1)."""
@@ -65,7 +78,7 @@ def _generate(body_name: str, specs: tuple[KernelSpec, ...], interpret: bool) ->
 
     from codegen import triton_kernels
 
-    kernel = triton.jit(getattr(triton_kernels, body_name))
+    kernel = triton.jit(_with_helpers(getattr(triton_kernels, body_name), triton))
     if interpret:
         return kernel
     configs = [
@@ -209,7 +222,9 @@ def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict
             signature[name] = _POINTER_TYPES[spec.dtype]
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
-    source = ASTSource(JITFunction(body), signature, constexprs)
+    import triton
+
+    source = ASTSource(JITFunction(_with_helpers(body, triton)), signature, constexprs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     compiled = triton_compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return {"shared_bytes": int(compiled.metadata.shared), "num_warps": int(compiled.metadata.num_warps)}

@@ -5,9 +5,9 @@ meta-device construction and initialisation for large models, capture, and the `
 every other package."""
 
 from hcompile.api import CompiledModel, compile, hydraulis
-from hcompile.capture import CaptureError, Captured, capture
+from hcompile.capture import Captured, CaptureError, capture
 from hcompile.init import empty_init, normal_init
-from hcompile.train import TrainOptions, Trainer
+from hcompile.train import Trainer, TrainOptions
 
 __all__ = ["CaptureError", "Captured", "CompiledModel", "TrainOptions", "Trainer", "capture", "compile",
            "empty_init", "hydraulis", "normal_init"]

@@ -15,11 +15,11 @@ import torch
 from torch import fx, nn
 
 from hcompile.capture import Captured, capture
-from passes.plan.ir import ParallelScheme
 from passes.graph.normalize import fold_repeat_kv_pass
 from passes.graph.packed_attention import rewrite_packed_attention_pass
-from passes.graph.pass_runner import PassContext, PassRecord, run_passes
+from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, run_passes
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
+from passes.plan.ir import ParallelScheme
 
 if TYPE_CHECKING:
     from hcompile.train import Trainer
@@ -30,7 +30,8 @@ __all__ = ["CompiledModel", "compile", "hydraulis"]
 class CompiledModel:
     """A model with its packed forward and its variants, compiled lazily and cached per bucket."""
 
-    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "eager") -> None:
+    def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None,
+                 compile_backend: str = "eager") -> None:
         self.model = model
         self.buckets = buckets
         """Token buckets micro-batches are padded to (None: one graph per exact token count); a trainer without
@@ -50,7 +51,7 @@ class CompiledModel:
         :class:`hcompile.TrainOptions` (``loss``, ``optimizer``, ``optimizer_kwargs``, ``strategies``,
         ``tokens_per_rank``, ...) and the trainer's own arguments (``cost_model``, ``dataset``, ``cluster``,
         ``init``, ``state_dict``)."""
-        from hcompile.train import TrainOptions, Trainer
+        from hcompile.train import Trainer, TrainOptions
 
         extra = {k: options.pop(k) for k in ("cost_model", "dataset", "cluster", "init", "state_dict") if k in options}
         return Trainer(self, TrainOptions(**options), **extra)
@@ -78,7 +79,7 @@ class CompiledModel:
         """The packed forward for exactly ``tokens`` tokens: inputs (input_ids (1, T), cu_seqlens, max_seqlen)."""
         if tokens not in self._packed:
             source = self.captured(tokens).graph_module
-            gm = fx.GraphModule(source, _copy_graph(source), class_name="Packed" + type(self.model).__name__)
+            gm = copy_graph_module(source, class_name="Packed" + type(self.model).__name__)
             gm, records = run_passes(gm, [fold_repeat_kv_pass, rewrite_packed_attention_pass], PassContext())
             self.records.extend(records)
             self._packed[tokens] = gm
@@ -104,14 +105,6 @@ class CompiledModel:
                 captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
                 output_index=captured.output_index, compile_backend=self.compile_backend)
         return self._variants[(key, tp_rank, tp_group)]
-
-
-def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A deep copy of ``gm``'s graph, node metadata included, so rewrites leave the capture intact."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return graph
 
 
 def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "eager",

@@ -19,13 +19,13 @@ from torch import fx
 
 from hcompile.api import CompiledModel
 from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
+from passes.graph.tensor_parallel import ParamSlice, split_dims
+from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
-from passes.graph.tensor_parallel import ParamSlice, split_dims
-from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
 from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -263,7 +263,8 @@ class Trainer:
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
         model = cost_model or cpu_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
-                                             type(compiled.model).__name__, self.ctx.world_size, options.tokens_per_rank,
+                                             type(compiled.model).__name__, self.ctx.world_size,
+                                             options.tokens_per_rank,
                                              memory)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
@@ -417,5 +418,6 @@ def _context() -> DistContext:
     if dist.is_initialized():
         dist_backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if dist_backend == "nccl" else torch.device("cpu")
-        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), dist_backend=dist_backend, device=device)
+        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), dist_backend=dist_backend,
+                           device=device)
     return init_distributed()

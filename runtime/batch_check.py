@@ -67,7 +67,7 @@ def agree_on_batch(batch: object, vocab_size: int | None, device: torch.device |
         return [int(t.numel()) for t in batch]
     messages: list = [None] * world
     dist.all_gather_object(messages, problem)
-    for rank, (row, message) in enumerate(zip(rows, messages)):
+    for rank, message in enumerate(messages):
         if message is not None:
             raise BatchError(f"rank {rank}: {message}")
     differs = next(r for r, row in enumerate(rows) if row != rows[0])

@@ -15,7 +15,6 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-
 from torch import nn
 from torch.profiler import record_function
 
@@ -179,7 +178,8 @@ class Executor:
         params.release()
         self._phase("end")
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)
-        summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64, device=self.ctx.device)
+        summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64,
+                               device=self.ctx.device)
         gathered = [torch.zeros_like(summary) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, summary)
         return StepStats(

@@ -197,7 +197,8 @@ class FixedLayout:
                 if hi <= lo:
                     continue
                 if self.rank == 0:
-                    piece = spec.stored(state[name].detach().to(torch.float32)).view(-1)[lo - spec.offset:hi - spec.offset]
+                    stored = spec.stored(state[name].detach().to(torch.float32)).view(-1)
+                    piece = stored[lo - spec.offset:hi - spec.offset]
                     dist.send(piece.to(self.device).contiguous(), owner)
                 elif self.rank == owner:
                     buf = torch.empty(hi - lo, dtype=torch.float32, device=self.device)

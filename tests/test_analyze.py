@@ -12,8 +12,8 @@ from torch import fx, nn
 from hcompile.capture import capture
 from hcompile.models import GPT, Llama, LlamaConfig, llama_preset
 from passes.graph.analyze import Hardware, OpClass, analytic_cost_model, analyze_graph, attention_sites, classify_node
-from passes.plan.ir import ParallelScheme
 from passes.graph.pass_runner import propagate_vals
+from passes.plan.ir import ParallelScheme
 
 PROFILES = Path(__file__).resolve().parent.parent / "passes" / "plan" / "data" / "profiles"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_util import run_ranks
+
 from runtime.batch_check import BatchError, agree_on_batch, local_batch_problem
 
 

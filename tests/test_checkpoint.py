@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_util import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +57,7 @@ def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path):
     assert step == 3 and resumed == losses[3:]  # the same pool and plans: bit for bit
     for n, p in final.items():
         assert torch.equal(resumed_final[n], p), n
-    for step, state, two_ranks, two_final in run_ranks(2, tmp_path, _resume, ckpt, ("2x(tp1)", "1x(tp2)")):
+    for _, state, two_ranks, two_final in run_ranks(2, tmp_path, _resume, ckpt, ("2x(tp1)", "1x(tp2)")):
         assert all(torch.equal(state[n], p) for n, p in saved.items())  # re-cut for 2 ranks: the same values
         assert two_ranks == pytest.approx(losses[3:], rel=1e-5)  # other ranks, other plans: the same training
         for n, p in final.items():

@@ -3,8 +3,8 @@ vocabulary-split lookups; and their fake implementations under torch.compile."""
 
 import torch
 import torch.distributed as dist
+from dist_util import run_ranks
 
-from dist_helpers import run_ranks
 from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
 
 
@@ -44,4 +44,4 @@ def _worker(rank, world):
 
 
 def test_collectives_on_two_gloo_ranks(tmp_path):
-    run_ranks(_worker, 2, tmp_path, timeout=120)
+    run_ranks(2, tmp_path, _worker, timeout_s=120)

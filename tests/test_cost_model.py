@@ -5,8 +5,17 @@ from importlib import resources
 
 import pytest
 
-from passes.plan.cost_model import (HCOMPILE_RUNTIME, RuntimeMemory, build_cost_model, default_optimizer_layout,
-                               hcompile_runtime, load_profile, load_profile_file, max_tokens_for, state_bytes)
+from passes.plan.cost_model import (
+    HCOMPILE_RUNTIME,
+    RuntimeMemory,
+    build_cost_model,
+    default_optimizer_layout,
+    hcompile_runtime,
+    load_profile,
+    load_profile_file,
+    max_tokens_for,
+    state_bytes,
+)
 from passes.plan.ir import ParallelScheme, PlanError, Strategy
 
 P32 = load_profile("llama-32b")

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_util import run_ranks
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from dist_util import run_ranks
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
-from passes.plan.ir import Strategy
 from passes.graph.variant import TokenBuckets
+from passes.plan.ir import Strategy
 
 MODELS = {
     "gpt": (GPT, GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=256)),
@@ -58,9 +58,9 @@ def _train(rank, world, cases, lr):
 
     out = []
     for name, seed, steps in cases:
-        trainer = hcompile.compile(_make(name, seed), buckets=BUCKETS).trainer(loss="causal_lm", optimizer=torch.optim.SGD,
-                                   optimizer_kwargs={"lr": lr}, strategies=sorted({s for s, _ in steps}),
-                                   tokens_per_rank=CAP, calibrate=False)
+        trainer = hcompile.compile(_make(name, seed), buckets=BUCKETS).trainer(
+            loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
+            strategies=sorted({s for s, _ in steps}), tokens_per_rank=CAP, calibrate=False)
         results = []
         for strategy, lens in steps:
             batch = _batch(name, seed, lens)
@@ -100,7 +100,7 @@ def _check(results, cases_, lr) -> list[int]:
         losses, states = reference_sgd(_make(name, seed), [_batch(name, seed, lens) for _, lens in steps], lr)
         count = 0
         for step, per_rank in enumerate(zip(*got)):
-            for loss, strategy, micro, buckets, state in per_rank:
+            for loss, _, _, _, state in per_rank:
                 assert loss == pytest.approx(losses[step], rel=1e-5), (case, step)
                 for n, p in states[step].items():
                     torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"{case} step {step} {n}")
@@ -155,7 +155,7 @@ def test_micro_batches_in_two_buckets_on_one_rank(tmp_path):
 def _two_trainers(rank, world):
     """Two trainers over one CompiledModel (as the harness runs its policies): each keeps its own variants."""
     from hcompile.api import CompiledModel
-    from hcompile.train import TrainOptions, Trainer
+    from hcompile.train import Trainer, TrainOptions
 
     compiled = CompiledModel(_make("llama", 5), buckets=BUCKETS)
     options = TrainOptions(optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=("2x(tp1)",),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_util import run_ranks
+
 from hcompile.init import normal_init
 from runtime.fixed_layout import FixedLayout, ParamSlice, full_slice
 

@@ -12,8 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_util import run_ranks  # noqa: E402
-from passes.graph.variant import TokenBuckets  # noqa: E402
 from test_equivalence import reference_sgd  # noqa: E402
+
+from passes.graph.variant import TokenBuckets  # noqa: E402
 
 STRATEGIES = ["4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp2,pp2)"]
 BUCKETS = TokenBuckets.powers_of_two(16, 128)
@@ -62,7 +63,7 @@ def test_hf_model_matches_single_process_sgd(tmp_path, name):
     results = run_ranks(4, tmp_path, _train, name, timeout_s=400)
     losses, states = reference_sgd(_HFLogits(make_model(name)), _batches(), 0.5)
     for per_rank in results:
-        for step, (loss, strategy, micro, state) in enumerate(per_rank):
+        for step, (loss, strategy, _, state) in enumerate(per_rank):
             assert loss == pytest.approx(losses[step], rel=1e-5), (name, strategy)
             for n, p in states[step].items():
                 torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"{name} {strategy} {n}")

@@ -5,7 +5,16 @@ import math
 
 import pytest
 
-from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, SchemeCost, StepPlan, Strategy, bucket_padding
+from passes.plan.ir import (
+    CostModel,
+    ParallelScheme,
+    PlanError,
+    ReplicaPlan,
+    SchemeCost,
+    StepPlan,
+    Strategy,
+    bucket_padding,
+)
 
 
 def test_strategy_round_trip_golden():
@@ -85,7 +94,8 @@ def test_bucket_padding_and_padded_micro_batch_hand_computed():
     m = dataclasses.replace(_model(), buckets=(32, 64))
     # [10, 20] is padded to 32 by one sequence of 2: 1e-3*(100+400+4) + 1.0*(30+2) + 10
     assert m.micro_batch_ms(ParallelScheme(tp=1), [10, 20]) == pytest.approx(0.504 + 32 + 10)
-    assert m.micro_batch_ms(ParallelScheme(tp=1), [32]) == pytest.approx(_model().micro_batch_ms(ParallelScheme(tp=1), [32]))
+    tp1 = ParallelScheme(tp=1)
+    assert m.micro_batch_ms(tp1, [32]) == pytest.approx(_model().micro_batch_ms(tp1, [32]))
 
 
 @pytest.mark.parametrize("buckets", [(64, 32), (0, 8), (8, 8), [8, 16], (8, True)])

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_util import run_ranks
+from test_equivalence import reference_sgd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dist_util import run_ranks
 from hcompile.init import normal_init
 from hcompile.models import Llama, LlamaConfig
 from passes.graph.variant import TokenBuckets
-from test_equivalence import reference_sgd
 
 CFG = LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64)
 BUCKETS = TokenBuckets.powers_of_two(32, 256)
@@ -52,8 +52,9 @@ def _meta_train(rank, world, strategy, source):
     on_meta = all(p.device.type == "meta" for p in model.parameters())
     kwargs = {"init": normal_init(0.3, seed=2)} if source == "init" else {
         "state_dict": _reference_state() if rank == 0 else None}
-    trainer = hcompile.compile(model, buckets=BUCKETS, **kwargs).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3},
-                               strategies=[strategy], tokens_per_rank=24, calibrate=False)
+    trainer = hcompile.compile(model, buckets=BUCKETS).trainer(
+        loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=[strategy],
+        tokens_per_rank=24, calibrate=False, **kwargs)
     losses, largest = [], 0
     for i, batch in enumerate(_batches()):
         mode = LargestTensor()
@@ -107,10 +108,9 @@ def _bf16(rank, world):
 
     out = []
     for param_dtype, reduce_dtype in CONFIGS:
-        trainer = hcompile.compile(init_weights_(Llama(CFG), seed=3),
-                                   buckets=BUCKETS).trainer(loss="causal_lm", optimizer=torch.optim.SGD,
-                                   optimizer_kwargs={"lr": 0.3}, strategies=["1x(tp2)+2x(tp1)"], tokens_per_rank=24, calibrate=False, param_dtype=param_dtype,
-                                   reduce_dtype=reduce_dtype)
+        trainer = hcompile.compile(init_weights_(Llama(CFG), seed=3), buckets=BUCKETS).trainer(
+            loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=["1x(tp2)+2x(tp1)"],
+            tokens_per_rank=24, calibrate=False, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         stats = [trainer.train_step(batch, strategy="1x(tp2)+2x(tp1)") for batch in _batches()]
         dtypes = {params.dtype for _, params in trainer.executor._params.values()}
         out.append(([s.loss for s in stats], stats[-1].traffic, trainer.layout.shard.dtype, dtypes,

@@ -32,7 +32,8 @@ class _RepeatKV(nn.Module):
 
 def _inputs():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    return (torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g),
+            torch.randn(1, 2, 6, 8, generator=g))
 
 
 def test_repeat_kv_becomes_grouped_query_sdpa():

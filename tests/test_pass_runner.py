@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from passes.plan.ir import ParallelScheme
 from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals, run_passes
+from passes.plan.ir import ParallelScheme
 
 
 def _graph() -> fx.GraphModule:

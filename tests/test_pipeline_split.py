@@ -8,9 +8,9 @@ from torch import fx, nn
 
 from hcompile.capture import capture
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
-from passes.plan.ir import ParallelScheme
 from passes.graph.pass_runner import PassContext, PassError, propagate_vals, run_passes
 from passes.graph.pipeline_split import decide_pipeline_split, graph_to_networkx, split_pipeline_pass
+from passes.plan.ir import ParallelScheme
 
 
 def _chain() -> fx.GraphModule:

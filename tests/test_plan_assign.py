@@ -4,10 +4,11 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from passes.plan.ir import ParallelScheme, PlanError
 from passes.plan.assign import Kind, dispatch, estimate_replica_ms, pack_fewest_bins, pack_replica
+from passes.plan.ir import ParallelScheme, PlanError
 
 PP1 = Kind(ParallelScheme(tp=1), 1e-3, 1.0, 10.0, 100)
 PP3 = Kind(ParallelScheme(tp=1, pp=3), 1e-3, 1.0, 10.0, 100)

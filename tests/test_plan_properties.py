@@ -4,7 +4,8 @@ that follow the cost-model formulas and never beat the lower bound."""
 import dataclasses
 import functools
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from passes.plan.cost_model import build_cost_model, load_profile
 from passes.plan.datasets import load_dataset

@@ -37,7 +37,8 @@ def test_sweep_packs_fill_buckets_and_hold_out_other_lengths():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"model": "gpt-9"}, "gpt-9"), ({"tps": (3,)}, "3"), ({"tokens_per_rank": 100}, "100"), ({"gpus": 6, "tps": (4,)}, "6"),
+    ({"model": "gpt-9"}, "gpt-9"), ({"tps": (3,)}, "3"), ({"tokens_per_rank": 100}, "100"),
+    ({"gpus": 6, "tps": (4,)}, "6"),
 ])
 def test_bad_jobs_quote_the_value(kwargs, needle):
     with pytest.raises(PlanError, match=needle):

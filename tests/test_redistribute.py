@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_util import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dist_util import run_ranks
 from runtime.redistribute import Redistribution, Traffic, intersect
 from runtime.stage_params import merge_ranges
 
@@ -65,7 +65,7 @@ def test_bf16_messages_are_half_the_bytes(tmp_path):
     needs = _random_needs(5, 2)
     fp32 = run_ranks(2, tmp_path, _move, needs, 1000, torch.float32)
     bf16 = run_ranks(2, tmp_path, _move, needs, 1000, torch.bfloat16)
-    for (_, g32, t32, _, _), (buf, g16, t16, _, _) in zip(fp32, bf16):
+    for (_, g32, t32, _, _), (_, g16, t16, _, _) in zip(fp32, bf16):
         assert t16.params_received * 2 == t32.params_received and t16.grads_sent * 2 == t32.grads_sent
         torch.testing.assert_close(g16, g32, rtol=1e-2, atol=1e-2)
 

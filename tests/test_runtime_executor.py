@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from dist_util import run_ranks
+from staged_lm import StagedProvider, init_params, reference_loss
 
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
 from passes.plan.placement import assign_ranks
 from passes.plan.policies import Planner
-from dist_util import run_ranks
-from staged_lm import StagedProvider, init_params, reference_loss
 
 STRATEGIES = ["4x(tp1)", "1x(tp1,pp2)+2x(tp1)", "2x(tp1,pp2)", "1x(tp1,pp4)"]
 CPU_MODEL = CostModel(name="cpu-toy", gpus_per_node=4, entries=tuple(

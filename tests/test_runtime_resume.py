@@ -3,12 +3,12 @@ against single-process AdamW, and a checkpoint resume that continues exactly."""
 
 import pytest
 import torch
-
-from passes.plan.ir import Strategy
-from passes.plan.policies import Planner
 from dist_util import run_ranks
 from staged_lm import StagedProvider, init_params, reference_loss
 from test_runtime_executor import CPU_MODEL, batches
+
+from passes.plan.ir import Strategy
+from passes.plan.policies import Planner
 
 POOL = [Strategy.parse(s) for s in ["4x(tp1)", "1x(tp1,pp2)+2x(tp1)", "2x(tp1,pp2)"]]
 

@@ -4,9 +4,9 @@ ends the job with RankError, quickly."""
 import time
 
 import pytest
+from spawn_targets import fail_on_rank_1, hang, rank_and_world
 
 from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
-from spawn_targets import fail_on_rank_1, hang, rank_and_world
 
 
 def test_results_in_rank_order_with_one_thread():

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_util import run_ranks
 from torch import fx, nn
 
-from dist_helpers import run_ranks
 from hcompile.capture import capture
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
-from passes.plan.ir import ParallelScheme
 from passes.graph.pass_runner import PassContext, PassError, propagate_vals, run_passes
 from passes.graph.tensor_parallel import decide_tensor_parallel, shard_tensor_parallel_pass
 from passes.graph.variant import VariantKey, build_variant
+from passes.plan.ir import ParallelScheme
 
 CASES = {
     "gpt": (GPT, GPTConfig(layers=1, heads=4, hidden=64)),
@@ -128,7 +128,7 @@ def test_tensor_parallel_matches_unsharded_on_gloo(world, tmp_path):
         graphs[name] = (pickle.dumps(cap.graph_module), cap.output_index)
     cap = capture(_case("llama")[0], torch.zeros(1, 32, dtype=torch.long))
     packed = (pickle.dumps(cap.graph_module), cap.output_index)
-    run_ranks(_tp_worker, world, tmp_path, graphs, packed, timeout=180)
+    run_ranks(world, tmp_path, _tp_worker, graphs, packed, timeout_s=180)
 
 
 def test_plan_golden_for_llama_with_replicated_kv_heads():

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dist_util import run_ranks
+
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
 
 MODELS = {

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 import hcompile
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
-from passes.plan.ir import ParallelScheme
 from passes.graph.variant import TokenBuckets, VariantKey, pad_to_bucket
+from passes.plan.ir import ParallelScheme
 
 
 def _batch(gen, vocab, max_seqs=5, max_len=12):

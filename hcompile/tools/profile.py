@@ -25,9 +25,9 @@ import torch
 
 from hcompile.models import Llama, LlamaConfig, init_weights_
 from hcompile.tools.progress import progress_bar
+from passes.graph.variant import TokenBuckets
 from passes.plan.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_for, state_bytes
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
-from passes.graph.variant import TokenBuckets
 
 __all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
            "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile",
@@ -154,8 +154,8 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     from runtime.cpu_clock import RankCpuClock
     from runtime.executor import pack_micro_batch
     from runtime.fixed_layout import FixedLayout
-    from runtime.stage_params import StageParams
     from runtime.loss import packed_causal_lm_loss_sum
+    from runtime.stage_params import StageParams
 
     net = build_model(model, seed)
     buckets = TokenBuckets(sizes=bucket_sizes)
@@ -341,7 +341,7 @@ def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
 def cost_model_from_profile(profile: Profile, tokens_per_rank: int, schemes: list[ParallelScheme] | None = None,
                             gpus_per_node: int | None = None) -> CostModel:
     """The profiled coefficients with a per-rank token cap: scheme tp holds ``tokens_per_rank * tp`` tokens."""
-    entries = tuple(SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens * s.tp)
+    entries = tuple(SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=tokens_per_rank * s.tp)
                     for s, a, b, c in profile.coefficients if schemes is None or s in schemes)
     if not entries:
         raise PlanError(f"profile {profile.name!r} has none of the schemes {schemes}")

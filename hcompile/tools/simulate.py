@@ -12,8 +12,15 @@ import numpy as np
 
 from hcompile.tools.files import check_output_path, write_text_atomically
 from hcompile.tools.progress import progress_bar
-from passes.plan.cost_model import (HCOMPILE_RUNTIME, MEMORY_MODELS, Profile, build_cost_model, default_optimizer_layout,
-                               load_profile, load_profile_file)
+from passes.plan.cost_model import (
+    HCOMPILE_RUNTIME,
+    MEMORY_MODELS,
+    Profile,
+    build_cost_model,
+    default_optimizer_layout,
+    load_profile,
+    load_profile_file,
+)
 from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
 from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous

@@ -41,7 +41,7 @@ def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s
         out.write_bytes(pickle.dumps(("ok", result)))
     except BaseException:
         out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_local_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0,

@@ -319,7 +319,8 @@ class Hardware:
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"hardware {name} must be a finite number > 0, got {value!r}")
         if self.linear_efficiency > 1 or self.attention_efficiency > 1:
-            raise ValueError(f"efficiencies must be <= 1, got {self.linear_efficiency!r}, {self.attention_efficiency!r}")
+            raise ValueError(f"efficiencies must be <= 1, got {self.linear_efficiency!r}, "
+                             f"{self.attention_efficiency!r}")
 
     @classmethod
     def a800(cls) -> "Hardware":

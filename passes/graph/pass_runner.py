@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.plan.ir import ParallelScheme
 
@@ -51,7 +52,8 @@ class PassContext:
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, ParallelScheme):
             raise PassError(f"scheme must be a ParallelScheme, got {self.scheme!r}")
-        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.scheme.tp:
+        rank = self.tp_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.scheme.tp:
             raise PassError(f"tp_rank must be in [0, {self.scheme.tp}), got {self.tp_rank!r}")
         if self.scheme.tp > 1 and not self.tp_group:
             raise PassError(f"tp={self.scheme.tp} needs a tp_group name, got {self.tp_group!r}")
@@ -123,26 +125,6 @@ def run_passes(
     return gm, tuple(records)
 
 
-class _FakeProp(fx.Interpreter):
-    """Runs the graph on fake tensors, storing each node's result in ``meta["val"]``."""
-
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode) -> None:
-        super().__init__(gm)
-        self.mode = mode
-        self._attrs: dict[str, torch.Tensor] = {}
-
-    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target not in self._attrs:
-            real = super().get_attr(target, args, kwargs)
-            self._attrs[target] = self.mode.from_tensor(real, static_shapes=True) if isinstance(real, torch.Tensor) else real
-        return self._attrs[target]
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        n.meta["val"] = result
-        return result
-
-
 def _to_fake(x: Any, mode: FakeTensorMode) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
@@ -150,12 +132,18 @@ def _to_fake(x: Any, mode: FakeTensorMode) -> Any:
         return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
 
 
+def copy_graph_module(gm: fx.GraphModule, class_name: str | None = None) -> fx.GraphModule:
+    """A GraphModule over a deep copy of ``gm``'s graph (node metadata included) and ``gm``'s own attributes,
+    so that a rewrite of the copy leaves ``gm`` intact."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, class_name=class_name or type(gm).__name__)
+
+
 def propagate_vals(gm: fx.GraphModule, inputs: Sequence[Any] | None = None) -> fx.GraphModule:
     """Recompute ``meta["val"]`` (a fake tensor) of every node from the placeholders' vals (or ``inputs``)."""
     if inputs is None:
         inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
-    fake_inputs = [_to_fake(x, mode) for x in inputs]
-    with mode:
-        _FakeProp(gm, mode).run(*fake_inputs)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[_to_fake(x, mode) for x in inputs])
     return gm

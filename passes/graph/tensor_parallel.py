@@ -411,7 +411,8 @@ class _Rewriter:
         self.copies: dict[fx.Node, fx.Node] = {}
         self.sharded_params: set[fx.Node] = set()
 
-    def new(self, op: str, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
+    def new(self, op: str, target: Any, args: tuple, kwargs: dict | None = None,
+            like: fx.Node | None = None) -> fx.Node:
         node = self.graph.create_node(op, target, fx.node.map_arg(args, self.env.__getitem__),
                                       fx.node.map_arg(kwargs or {}, self.env.__getitem__),
                                       name=like.name if like is not None else None)

@@ -15,12 +15,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from passes.plan.ir import ParallelScheme
 from passes.graph.normalize import fold_repeat_kv_pass
 from passes.graph.packed_attention import rewrite_packed_attention_pass
-from passes.graph.pass_runner import PassContext, PassRecord, run_passes
+from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, run_passes
 from passes.graph.pipeline_split import split_pipeline_pass
 from passes.graph.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
+from passes.plan.ir import ParallelScheme
 
 __all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter", "pad_to_bucket",
            "retarget_devices"]
@@ -195,17 +195,12 @@ def pad_to_bucket(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bucket: int
     if input_ids.dim() != 1 or total > bucket:
         raise ValueError(f"input_ids must be (T,) with T <= bucket {bucket}, got shape {tuple(input_ids.shape)}")
     if cu_seqlens.dtype != torch.int32 or int(cu_seqlens[-1]) != total:
-        raise ValueError(f"cu_seqlens must be int32 ending at {total}, got {cu_seqlens.tolist()!r} ({cu_seqlens.dtype})")
+        raise ValueError(f"cu_seqlens must be int32 ending at {total}, got {cu_seqlens.tolist()!r} "
+                         f"({cu_seqlens.dtype})")
     if total == bucket:
         return input_ids, cu_seqlens
     ids = torch.cat([input_ids, input_ids.new_zeros(bucket - total)])
     return ids, torch.cat([cu_seqlens, cu_seqlens.new_tensor([bucket])])
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 def _stage_of(gm: fx.GraphModule, records: tuple[PassRecord, ...], stage: int) -> tuple:
@@ -236,7 +231,7 @@ def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0
                                "tensor_parallel.vocab_parallel": vocab_parallel,
                                "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
     passes = [fold_repeat_kv_pass, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
-    gm, records = run_passes(_copy(captured), passes, ctx)
+    gm, records = run_passes(copy_graph_module(captured), passes, ctx)
     stage_gm, inputs, boundary_in, boundary_out = _stage_of(gm, records, key.stage)
     tp = next((r.info["plan"] for r in records if r.name == "shard_tensor_parallel_pass" and r.modified), None)
     read = {n.target for n in stage_gm.graph.nodes if n.op == "get_attr"}

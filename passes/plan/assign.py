@@ -14,6 +14,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, bucket_padding
 
@@ -92,7 +93,7 @@ def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[
     return first_fit(seq_lens, sorted(indices, key=lambda j: (-seq_lens[j], j)), cap)
 
 
-def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: list[float],
+def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: Mapping[int, float],
                   v: int) -> list[list[int]] | None:
     """Longest-time-first onto the least-loaded micro-batch with token room; None when it does not fit."""
     bins: list[list[int]] = [[] for _ in range(v)]

@@ -125,7 +125,8 @@ class Profile:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"profile {self.name!r}: {name} must be a positive integer, got {value!r}")
         if not 0.0 <= self.shardable_fraction <= 1.0:
-            raise PlanError(f"profile {self.name!r}: shardable fraction must be in [0, 1], got {self.shardable_fraction!r}")
+            raise PlanError(f"profile {self.name!r}: shardable fraction must be in [0, 1], "
+                            f"got {self.shardable_fraction!r}")
         for scheme, a, b, c in self.coefficients:
             SchemeCost(scheme=scheme, a=a, b=b, c=c, max_tokens=0)  # validates the numbers
 

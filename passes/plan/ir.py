@@ -111,7 +111,8 @@ class Strategy:
     def homogeneous(cls, scheme: ParallelScheme, gpus: int) -> "Strategy":
         """``gpus // scheme.gpus`` replicas of one scheme; the GPU count must divide exactly."""
         if gpus % scheme.gpus:
-            raise PlanError(f"{gpus} GPUs cannot be filled by replicas of {scheme.describe()} ({scheme.gpus} GPUs each)")
+            raise PlanError(f"{gpus} GPUs cannot be filled by replicas of {scheme.describe()} "
+                            f"({scheme.gpus} GPUs each)")
         return cls(parts=((scheme, gpus // scheme.gpus),))
 
     @classmethod
@@ -239,7 +240,8 @@ class CostModel:
             return self._index[scheme]
         except KeyError:
             known = ", ".join(s.describe() for s in self.schemes)
-            raise PlanError(f"unknown scheme {scheme.describe()} for cost model {self.name!r}; known: {known}") from None
+            raise PlanError(f"unknown scheme {scheme.describe()} for cost model {self.name!r}; "
+                            f"known: {known}") from None
 
     def max_tokens(self, scheme: ParallelScheme) -> int:
         """Most tokens one micro-batch of ``scheme`` may hold (also its longest sequence)."""

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from passes.plan.assign import Kind, dispatch, first_fit
 from passes.plan.datasets import check_batch
 from passes.plan.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
-from passes.plan.assign import Kind, dispatch, first_fit
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_estimate
 
@@ -139,11 +139,13 @@ class Planner:
         for fluid, _, strategy in ranked:
             if best is not None and fluid > best.est_ms * self.prune_above:
                 break  # later strategies are predicted clearly slower than the best plan found
-            if best is not None and lower_bound_ms(self.cost_model, self.gpus, seq_lens, list(strategy.schemes)) >= best.est_ms:
+            bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens, list(strategy.schemes))
+            if best is not None and bound >= best.est_ms:
                 continue  # provably no better
             candidate = self._two_stage(strategy, seq_lens)
             if best is None or candidate.est_ms < best.est_ms - 1e-9:
                 best = candidate
+        assert best is not None  # the first usable strategy is always planned
         return best
 
     def _kinds(self, strategy: Strategy) -> list[Kind]:

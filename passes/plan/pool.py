@@ -13,11 +13,12 @@ homogeneous strategy sized for the dataset's longest sequence.
 from __future__ import annotations
 
 import itertools
+
 import numpy as np
 
+from passes.plan.assign import Kind
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
-from passes.plan.assign import Kind
 from passes.plan.placement import placeable, too_long_error, usable_schemes
 
 __all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate"]
@@ -139,7 +140,7 @@ def _score(cost_model: CostModel, types: list[ParallelScheme], mixes: list[Strat
            batches: list[np.ndarray]) -> list[tuple[float, str, Strategy]]:
     coeffs = [Kind.of(cost_model, t) for t in types]
     counts = np.array([[dict(m.parts).get(t, 0) for t in types] for m in mixes])
-    mean = sum(fluid_makespan(coeffs, counts, b) for b in batches) / len(batches)
+    mean = np.asarray(sum(fluid_makespan(coeffs, counts, b) for b in batches)) / len(batches)
     return [(float(score), m.describe(), m) for score, m in zip(mean, mixes)]
 
 
