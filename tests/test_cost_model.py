@@ -1,4 +1,4 @@
-"""Cost-model presets and the memory model against hand-computed values (DESIGN.md section 9)."""
+"""Cost-model presets and the memory model against hand-computed values (docs/design.md, section 9)."""
 
 import json
 from importlib import resources
@@ -24,7 +24,7 @@ LAYOUT_32B_64 = Strategy.parse("4x(tp16)")
 
 @pytest.mark.parametrize("tp,expected", [(16, 43520), (8, 21888), (4, 7808)])
 def test_32b_longest_sequences_match_design(tp, expected):
-    # DESIGN.md 9: TP16 43.5K, TP8 21.9K, TP4 7.8K under the 4x(tp16) layout.
+    # docs/design.md, section 9: TP16 43.5K, TP8 21.9K, TP4 7.8K under the 4x(tp16) layout.
     assert max_tokens_for(P32, ParallelScheme(tp=tp), LAYOUT_32B_64) == expected
 
 

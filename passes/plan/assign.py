@@ -1,4 +1,4 @@
-"""Two-stage data assignment for one strategy (DESIGN.md sections 6.3-6.4).
+"""Two-stage data assignment for one strategy (docs/design.md, sections 6.3-6.4).
 
 Stage 1, dispatch: sequences to replicas, each only to replicas that can hold it, minimising the slowest
 replica (1F1B warm-up included): longest-first greedy onto the replica that finishes earliest, then local

@@ -318,7 +318,7 @@ class StepPlan:
     est_step_ms: float
     """Estimated step time: the slowest replica."""
     lower_bound_ms: float
-    """A bound no plan of this batch on this cluster can beat (DESIGN.md section 6.2)."""
+    """A bound no plan of this batch on this cluster can beat (docs/design.md, section 6.2)."""
     policy: str = "hydraulis"
     """The planner policy that made the plan."""
     solve_ms: float = 0.0

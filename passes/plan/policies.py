@@ -1,4 +1,4 @@
-"""Planner policies, side by side (DESIGN.md sections 6.2 and 6.5), and the per-step lower bound.
+"""Planner policies, side by side (docs/design.md, sections 6.2 and 6.5), and the per-step lower bound.
 
 - ``padding``: the fixed homogeneous strategy; sequences in arrival order grouped into micro-batches padded
   to their longest member, dealt round-robin to replicas.
@@ -63,7 +63,7 @@ def _bound_terms(cost_model: CostModel, schemes: list, seq_lens: np.ndarray) -> 
 
 def lower_bound_ms(cost_model: CostModel, gpus: int, seq_lens: list[int], schemes: list | None = None) -> float:
     """``max(sum_i min_k g_k (a_k s_i^2 + b_k s_i + c_k s_i / mt_k) / N, max_i min_k pp_k T_k(s_i))``, each
-    min over every scheme that fits in ``gpus`` and holds ``s_i`` (DESIGN.md section 6.2); with ``schemes``
+    min over every scheme that fits in ``gpus`` and holds ``s_i`` (docs/design.md, section 6.2); with ``schemes``
     given, over those only (a bound for strategies made of them)."""
     if schemes is None:
         schemes = [s for s in cost_model.schemes if s.gpus <= gpus]

@@ -1,4 +1,4 @@
-"""The data-aware strategy pool (DESIGN.md section 6.1), built offline from a length histogram.
+"""The data-aware strategy pool (docs/design.md, section 6.1), built offline from a length histogram.
 
 Batch maxima are split into tiers at the schemes' ``max_tokens``; a batch whose longest sequence falls in
 tier t needs a replica that holds up to tier t's cap. For each tier we draw batches conditioned on their
