@@ -104,7 +104,8 @@ def run(jobs: tuple[PlanJob, ...], out_dir: Path, plot: bool = True) -> list[dic
         if job.model == "llama-32b" and job.gpus == 64:
             print("paper case-study pool (32B/64 GPUs): " + ", ".join(PAPER_POOL_32B_64))
         print(flush=True)
-        records.append({**stamp, "config": _label(job), **report.to_json()})
+        summary = {k: v for k, v in report.to_json().items() if k != "per_step"}  # per step: hcompile plan --json
+        records.append({**stamp, "config": _label(job), **summary})
     with open(out_dir / "planner.jsonl", "a") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")

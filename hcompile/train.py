@@ -55,7 +55,8 @@ class TrainOptions:
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of the optimiser."""
     strategies: str | tuple[str, ...] = "auto"
-    """``auto`` (a pool built from the data) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")``."""
+    """``auto`` (a pool built from the data; each step may also use another mix of the pool's schemes, which
+    compiles nothing new) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")``, used as listed."""
     tokens_per_rank: int | None = None
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
     None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
@@ -279,6 +280,7 @@ class Trainer:
         self._service: PlanService | None = None
         self._restored_pool: tuple[list[Strategy], Strategy] | None = None
         self._warm: set[Strategy] = set()
+        self._warm_replicas: tuple[set, set] | None = None
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
 
@@ -294,13 +296,23 @@ class Trainer:
                     pool = build_pool(self.cost_model, self.ctx.world_size, data, sum(seq_lens), fixed)
                 else:
                     pool = [Strategy.parse(s) for s in self.options.strategies]
-            planner = Planner(self.cost_model, self.ctx.world_size, list(pool), fixed)
+            planner = Planner(self.cost_model, self.ctx.world_size, list(pool), fixed,
+                              refine=self.options.strategies == "auto",  # a listed pool is kept as listed
+                              allow=self._compiled_placement)
             self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
                                         timeout_s=self.options.plan_timeout_s)
             if self.calibration is not None and self.calibration.state_dict():  # resumed with measured ratios
                 self._service.set_cost_model(self.calibration.model())
             self.warm_up([*pool, fixed])
         return self._service
+
+    def _compiled_placement(self, strategy: Strategy) -> bool:
+        """Whether every replica of ``strategy`` lands on ranks where a warmed strategy has the same scheme's
+        replica: then every variant, TP group and compute copy it needs exists already (no new compilation)."""
+        if self._warm_replicas is None or len(self._warm_replicas[1]) != len(self._warm):
+            known = {(scheme, ranks) for s in self._warm for scheme, ranks in _replica_places(s, self.cluster)}
+            self._warm_replicas = (known, set(self._warm))
+        return all(place in self._warm_replicas[0] for place in _replica_places(strategy, self.cluster))
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
         """Compile, before the first step, every variant these strategies can need: for each strategy and
@@ -396,6 +408,11 @@ def _layout(provider: CompiledProvider, ctx: DistContext, *, init: Init | None,
     else:
         layout.fill_from(named)
     return layout
+
+
+def _replica_places(strategy: Strategy, cluster: Cluster) -> list[tuple[ParallelScheme, tuple[int, ...]]]:
+    """Each replica of ``strategy`` as (scheme, ranks), where the runtime places it."""
+    return list(zip(strategy.replicas(), place(strategy, cluster).replica_ranks))
 
 
 def _dry_plan(strategy: Strategy, lens: list[int], cluster: Cluster) -> StepPlan:

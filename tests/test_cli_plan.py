@@ -15,14 +15,26 @@ def test_json_summary_has_every_field(capsys):
     assert main(["plan", *FAST, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("model", "hardware", "gpus", "dataset", "global_tokens", "steps", "seed", "memory_model",
-                "max_tokens", "pool", "lower_bound_ms_mean", "policies"):
+                "max_tokens", "pool", "lower_bound_ms_mean", "policies", "per_step"):
         assert key in out
     assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 41728
     assert set(out["policies"]) == {"padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step",
                                     "hydraulis"}
     for numbers in out["policies"].values():
-        assert set(numbers) == {"est_step_ms_mean", "tokens_per_s", "solve_ms_p50", "solve_ms_p95"}
+        assert set(numbers) == {"est_step_ms_mean", "tokens_per_s", "solve_ms_p50", "solve_ms_p95", "vs_bound",
+                                "costliest"}
         assert numbers["est_step_ms_mean"] >= out["lower_bound_ms_mean"] * (1 - 1e-9)
+        assert set(numbers["vs_bound"]) == {"mean", "p50", "p90", "max"} and numbers["vs_bound"]["p50"] >= 1
+        assert sum(numbers["costliest"].values()) == 2
+    assert out["steps"] == 2 and [s["step"] for s in out["per_step"]] == [0, 1]
+    for step in out["per_step"]:
+        assert set(step["bounds"]) == {"area", "latency", "pipeline", "long", "binding"}
+        assert step["lower_bound_ms"] == max(v for k, v in step["bounds"].items() if k != "binding")
+        for d in step["policies"].values():
+            assert set(d) == {"est_step_ms", "vs_bound", "gap_ms", "unavoidable_ms", "costliest", "replicas"}
+            assert set(d["gap_ms"]) == {"strategy", "dispatch", "packing"}
+            assert min(r["slack_ms"] for r in d["replicas"]) == 0
+            assert d["unavoidable_ms"] >= 0 and d["costliest"] in d["gap_ms"]
 
 
 def test_paper_memory_model(capsys):
@@ -41,7 +53,9 @@ def test_table_and_plans_out(tmp_path, capsys):
         (0, "hydraulis"), (0, "homogeneous-token"), (1, "hydraulis"), (1, "homogeneous-token")]
     for d in lines:
         assert set(d) == {"step", "policy", "strategy", "num_gpus", "seq_lens", "replicas", "est_step_ms",
-                          "lower_bound_ms", "solve_ms"}
+                          "lower_bound_ms", "solve_ms", "diagnosis"}
+        assert len(d["diagnosis"]["replicas"]) == len(d["replicas"])
+        assert d["diagnosis"]["lower_bound_ms"] == d["lower_bound_ms"]
         assert sum(d["seq_lens"]) == 40000
         assert set(d["replicas"][0]) == {"tp", "pp", "cp", "ranks", "max_tokens", "micro_batches", "est_ms"}
 

@@ -4,6 +4,7 @@ dataset on a simulated cluster, with the cost model's estimates. Used by ``hcomp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -12,6 +13,7 @@ import numpy as np
 
 from hcompile.tools.files import check_output_path, write_text_atomically
 from hcompile.tools.progress import progress_bar
+from passes.plan.bounds import Bounds, bound_terms
 from passes.plan.cost_model import (
     HCOMPILE_RUNTIME,
     MEMORY_MODELS,
@@ -22,6 +24,7 @@ from passes.plan.cost_model import (
     load_profile_file,
 )
 from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
+from passes.plan.diagnose import StepDiagnosis, diagnose
 from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
@@ -87,10 +90,25 @@ class PolicyResult:
     """Planning wall time of each step."""
     tokens: int
     """Tokens planned over all steps."""
+    diagnoses: tuple[StepDiagnosis, ...] = ()
+    """Each step's plan against its bounds."""
 
     @property
     def est_step_ms_mean(self) -> float:
         return float(np.mean(self.est_step_ms))
+
+    def vs_bound(self) -> dict[str, float]:
+        """The distribution of step time over the step's lower bound: mean, p50, p90 and max."""
+        ratios = np.array([d.vs_bound for d in self.diagnoses])
+        return {"mean": float(ratios.mean()), "p50": float(np.percentile(ratios, 50)),
+                "p90": float(np.percentile(ratios, 90)), "max": float(ratios.max())}
+
+    def costliest(self) -> dict[str, int]:
+        """Over the steps: how often each of strategy, dispatch and packing cost the most."""
+        out = {"strategy": 0, "dispatch": 0, "packing": 0}
+        for d in self.diagnoses:
+            out[d.costliest] += 1
+        return out
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,7 +128,9 @@ class PlanReport:
     fixed: Strategy
     """The fixed homogeneous strategy of the baselines."""
     lower_bound_ms: tuple[float, ...]
-    """The lower bound of each step."""
+    """The lower bound of each step (the tightest of ``bounds``)."""
+    bounds: tuple[Bounds, ...]
+    """Every lower bound of each step."""
     cost_model: CostModel
     """The cost model the estimates come from."""
     results: dict[str, PolicyResult] = field(default_factory=dict)
@@ -137,10 +157,22 @@ class PlanReport:
                     "tokens_per_s": round(r.tokens_per_s, 3),
                     "solve_ms_p50": round(float(np.percentile(r.solve_ms, 50)), 3),
                     "solve_ms_p95": round(float(np.percentile(r.solve_ms, 95)), 3),
+                    "vs_bound": {k: round(v, 4) for k, v in r.vs_bound().items()},
+                    "costliest": r.costliest(),
                 }
                 for name, r in self.results.items()
             },
+            "per_step": [
+                {"step": i, "lower_bound_ms": round(b.best, 3), "bounds": {**b.to_dict(), "binding": b.binding},
+                 "policies": {name: _without_bounds(r.diagnoses[i].to_dict()) for name, r in self.results.items()}}
+                for i, b in enumerate(self.bounds)
+            ],
         }
+
+
+def _without_bounds(diagnosis: dict) -> dict:
+    """A step's diagnosis without the bounds, which the step lists once for all policies."""
+    return {k: v for k, v in diagnosis.items() if k not in ("bounds", "lower_bound_ms")}
 
 
 def _load_data(job: PlanJob) -> tuple[LengthDataset, list[list[int]] | None]:
@@ -184,25 +216,32 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job)
     plans: list[StepPlan] = []
+    lines: list[str] = []
     per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
+    diagnoses: dict[str, list[StepDiagnosis]] = {p: [] for p in job.policies}
+    bounds: list[Bounds] = []
     for step, batch in enumerate(batches):
+        bounds.append(bound_terms(planner.cost_model, job.gpus, batch))
         for policy in job.policies:
             plan = planner.plan(batch, policy)
+            diagnosis = diagnose(planner.cost_model, job.gpus, plan, bounds[-1])
             per_policy[policy].append(plan)
+            diagnoses[policy].append(diagnosis)
             plans.append(plan)
+            lines.append(json.dumps({**plan.to_dict(step=step), "diagnosis": diagnosis.to_dict()},
+                                    separators=(",", ":")))
         if progress is not None:
             progress(step + 1, len(batches))
     results = {
         name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
-                           tokens=sum(sum(p.seq_lens) for p in ps))
+                           tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]))
         for name, ps in per_policy.items()
     }
-    bounds = tuple(per_policy[job.policies[0]][i].lower_bound_ms for i in range(len(batches)))
     report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,
-                        lower_bound_ms=bounds, cost_model=planner.cost_model, results=results)
+                        lower_bound_ms=tuple(b.best for b in bounds), bounds=tuple(bounds),
+                        cost_model=planner.cost_model, results=results)
     if plans_out is not None:
-        write_text_atomically(plans_out, "\n".join(p.to_json(step=i // len(job.policies)) for i, p in enumerate(plans))
-                              + "\n")
+        write_text_atomically(plans_out, "\n".join(lines) + "\n")
     return report, plans
 
 
@@ -215,15 +254,16 @@ def format_report(report: PlanReport) -> str:
         f"{job.model if job.profile_file is None else job.profile_file} on {job.gpus} GPUs ({job.hardware}), "
         f"dataset {report.dataset_name}, {job.global_tokens} tokens/step, {len(report.lower_bound_ms)} steps, "
         f"seed {job.seed}",
-        f"{'policy':<22}{'step ms':>10}{'tokens/s':>11}{'vs ' + BASELINE:>24}{'/ bound':>9}"
-        f"{'solve p50':>11}{'p95':>9}",
+        f"{'policy':<22}{'step ms':>10}{'tokens/s':>11}{'vs ' + BASELINE:>24}"
+        f"{'step / bound: mean':>20}{'p50':>7}{'p90':>7}{'max':>7}{'solve p50':>11}{'p95':>9}",
     ]
     for name, r in report.results.items():
         speedup = f"{base.est_step_ms_mean / r.est_step_ms_mean:.2f}x" if base else "-"
+        ratio = r.vs_bound()
         lines.append(
             f"{name:<22}{r.est_step_ms_mean:>10.1f}{r.tokens_per_s:>11.0f}{speedup:>24}"
-            f"{r.est_step_ms_mean / bound:>9.3f}{np.percentile(r.solve_ms, 50):>9.1f}ms"
-            f"{np.percentile(r.solve_ms, 95):>7.1f}ms"
+            f"{ratio['mean']:>20.3f}{ratio['p50']:>7.3f}{ratio['p90']:>7.3f}{ratio['max']:>7.3f}"
+            f"{np.percentile(r.solve_ms, 50):>9.1f}ms{np.percentile(r.solve_ms, 95):>7.1f}ms"
         )
     lines.append(f"{'lower bound':<22}{bound:>10.1f}")
     lines.append(f"fixed strategy (baselines): {report.fixed.describe()}")

@@ -9,21 +9,23 @@
   fewest micro-batches balanced by tokens.
 - ``homogeneous-per-step``: each step the best homogeneous strategy that holds the batch, with the
   quadratic-aware two-stage assignment.
-- ``hydraulis``: each step the best strategy of the data-aware pool, with the two-stage assignment.
+- ``hydraulis``: each step the best strategy of the data-aware pool, or of the mixes of the pool's schemes
+  that a hill climb from the pool's best reaches (``refine=True``), with the two-stage assignment.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Callable
 
 from passes.plan.assign import Kind, dispatch, first_fit
+from passes.plan.bounds import lower_bound_ms
 from passes.plan.datasets import check_batch
 from passes.plan.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_estimate
+from passes.plan.refine import refine_strategy
 
 __all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
 
@@ -47,33 +49,6 @@ def sized_homogeneous(cost_model: CostModel, gpus: int, longest: int) -> Strateg
     return min(options, key=lambda s: (s.schemes[0].gpus, s.schemes[0].pp, s.describe()))
 
 
-def _bound_terms(cost_model: CostModel, schemes: list, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per sequence: least GPU-ms (area) and least single-sequence latency over ``schemes`` that hold it."""
-    area = np.full(len(seq_lens), np.inf)
-    latency = np.full(len(seq_lens), np.inf)
-    s = seq_lens.astype(np.float64)
-    for scheme in schemes:
-        e = cost_model.cost(scheme)
-        fits = seq_lens <= e.max_tokens
-        per_seq = e.a * s * s + e.b * s
-        area = np.where(fits, np.minimum(area, scheme.gpus * (per_seq + e.c * s / e.max_tokens)), area)
-        latency = np.where(fits, np.minimum(latency, scheme.pp * (per_seq + e.c)), latency)
-    return area, latency
-
-
-def lower_bound_ms(cost_model: CostModel, gpus: int, seq_lens: list[int], schemes: list | None = None) -> float:
-    """``max(sum_i min_k g_k (a_k s_i^2 + b_k s_i + c_k s_i / mt_k) / N, max_i min_k pp_k T_k(s_i))``, each
-    min over every scheme that fits in ``gpus`` and holds ``s_i`` (docs/design.md, section 6.2); with ``schemes``
-    given, over those only (a bound for strategies made of them)."""
-    if schemes is None:
-        schemes = [s for s in cost_model.schemes if s.gpus <= gpus]
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    area, latency = _bound_terms(cost_model, schemes, lens)
-    if not np.isfinite(area).all():
-        raise too_long_error(cost_model, gpus, int(lens[~np.isfinite(area)].max()))
-    return float(max(area.sum() / gpus, latency.max()))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Assignment:
     strategy: Strategy
@@ -85,12 +60,23 @@ class Planner:
     """Plans steps for one cost model and cluster with any policy of ``POLICIES``."""
 
     def __init__(self, cost_model: CostModel, gpus: int, pool: list[Strategy], fixed: Strategy,
-                 rounds: int = 64, prune_above: float = 1.02):
+                 rounds: int = 64, prune_above: float = 1.02, refine: bool = True, refine_starts: int = 2,
+                 full_at_least: int = 2, allow: Callable[[Strategy], bool] | None = None):
         self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
         for strategy in [*pool, fixed]:
             self._check_strategy(strategy)
         self.pool, self.fixed = list(pool), fixed
         self.homogeneous = homogeneous_strategies(cost_model, gpus)
+        self.refine = refine
+        """Whether ``hydraulis`` also considers other mixes of the pool's schemes (off: the pool's strategies only)."""
+        self.pool_schemes = tuple(sorted({s for strategy in self.pool for s in strategy.schemes}))
+        self.allow = allow
+        """Which strategies outside the pool a step may use (None: any); the runtime allows those whose every
+        replica sits where a compiled one already does."""
+        self.refine_starts = refine_starts
+        """Hill climbs per step, from the pool's best strategies by the fluid estimate."""
+        self.full_at_least = full_at_least
+        """Strategies planned in full per step, the best by the fluid estimate (more while within ``prune_above``)."""
 
     def _check_strategy(self, strategy: Strategy) -> None:
         if strategy.gpus != self.gpus:
@@ -118,7 +104,7 @@ class Planner:
             best = self._baseline(policy, seq_lens)
         else:
             candidates = self.pool if policy == "hydraulis" else self.homogeneous
-            best = self._best_of(candidates, seq_lens)
+            best = self._best_of(candidates, seq_lens, refine=self.refine and policy == "hydraulis")
         solve_ms = (time.perf_counter() - started) * 1e3
         return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
                         est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms)
@@ -126,7 +112,10 @@ class Planner:
     def _holds(self, strategy: Strategy, longest: int) -> bool:
         return max(self.cost_model.max_tokens(s) for s in strategy.schemes) >= longest
 
-    def _best_of(self, candidates: list[Strategy], seq_lens: list[int]) -> _Assignment:
+    def _ranked(self, candidates: list[Strategy], seq_lens: list[int],
+                refine: bool) -> list[tuple[float, str, Strategy]]:
+        """The candidates that hold the batch (and, with ``refine``, the mixes of the pool's schemes that hill
+        climbs from the best of them reach), as (fluid estimate, name, strategy), the best estimate first."""
         longest = max(seq_lens)
         usable = [s for s in candidates if self._holds(s, longest)]
         if not usable:  # the pool was built for shorter data: fall back to every homogeneous strategy
@@ -135,10 +124,26 @@ class Planner:
             raise too_long_error(self.cost_model, self.gpus, longest)
         ranked = sorted(((fluid_estimate(self.cost_model, s, seq_lens), s.describe(), s) for s in usable),
                         key=lambda x: x[:2])
+        if not refine:
+            return ranked
+        scored = {s: f for f, _, s in ranked}
+        for fluid, _, start in ranked[:self.refine_starts]:
+            for score, strategy in refine_strategy(self.cost_model, start, self.pool_schemes, seq_lens, fluid):
+                if strategy in scored or self.allow is None or self.allow(strategy):
+                    scored.setdefault(strategy, score)
+        return sorted(((f, s.describe(), s) for s, f in scored.items()), key=lambda x: x[:2])
+
+    def _best_of(self, candidates: list[Strategy], seq_lens: list[int], refine: bool = False) -> _Assignment:
+        """Plan in full, in order of the fluid estimate: the first ``full_at_least`` candidates and the best
+        candidate of ``candidates`` themselves, then every other one predicted within ``prune_above`` of the
+        best plan found and not excluded by its schemes' bound."""
+        ranked = self._ranked(candidates, seq_lens, refine)
+        first_own = next((s for _, _, s in ranked if s in candidates), ranked[0][2])
         best = None
-        for fluid, _, strategy in ranked:
-            if best is not None and fluid > best.est_ms * self.prune_above:
-                break  # later strategies are predicted clearly slower than the best plan found
+        for planned, (fluid, _, strategy) in enumerate(ranked):
+            must = planned < self.full_at_least or strategy == first_own
+            if best is not None and not must and fluid > best.est_ms * self.prune_above:
+                continue  # predicted clearly slower than the best plan found
             bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens, list(strategy.schemes))
             if best is not None and bound >= best.est_ms:
                 continue  # provably no better

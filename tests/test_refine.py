@@ -1,0 +1,70 @@
+"""Per-step strategy refinement: the neighbours of a strategy, the hill climb, and the planner that uses it."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from passes.plan.ir import ParallelScheme, Strategy
+from passes.plan.policies import Planner
+from passes.plan.pool import fluid_estimate
+from passes.plan.refine import fluid_scores, neighbours, refine_strategy
+from tests.test_plan_properties import TOY, TOY_POOL, check_plan
+
+TP1, TP2, TP4 = ParallelScheme(tp=1), ParallelScheme(tp=2), ParallelScheme(tp=4)
+PP2 = ParallelScheme(tp=1, pp=2)
+
+
+def test_neighbours_trade_replicas_for_others_on_the_same_gpus():
+    found = set(neighbours(Strategy.parse("2x(tp4)"), [TP1, TP2, TP4], gpus_per_node=4))
+    expected = {Strategy.parse(s) for s in ["1x(tp4)+4x(tp1)", "8x(tp1)", "1x(tp4)+2x(tp2)", "4x(tp2)"]}
+    assert found == expected
+
+
+def test_neighbours_keep_at_most_three_schemes_and_fill_the_cluster():
+    start = Strategy.parse("1x(tp4)+1x(tp2)+2x(tp1)")
+    for s in neighbours(start, [TP1, TP2, TP4, PP2], gpus_per_node=4):
+        assert s.gpus == 8 and len(s.schemes) <= 3 and s != start
+
+
+def test_fluid_scores_equal_fluid_estimate():
+    batch = [700, 300, 40, 90, 1200, 8, 512]
+    options = neighbours(Strategy.parse("1x(tp4)+4x(tp1)"), [TP1, TP2, TP4, PP2], 4)
+    for s, score in zip(options, fluid_scores(TOY, options, np.asarray(batch))):
+        assert score == fluid_estimate(TOY, s, batch)
+
+
+def test_the_climb_never_ends_worse_than_it_starts():
+    batch = [1500, 1400, 30, 20, 10] * 3
+    start = Strategy.parse("2x(tp4)")
+    scored = refine_strategy(TOY, start, [TP1, TP2, TP4, PP2], batch)
+    assert scored[0][0] <= fluid_estimate(TOY, start, batch)
+    assert [f for f, _ in scored] == sorted(f for f, _ in scored)
+    assert all(max(TOY.max_tokens(t) for t in s.schemes) >= 1500 for _, s in scored)
+
+
+toy_batches = st.lists(st.integers(min_value=1, max_value=1536), min_size=1, max_size=40)
+REFINED = Planner(TOY, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"))
+POOL_ONLY = Planner(TOY, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"), refine=False)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seq_lens=toy_batches)
+def test_refined_plans_are_valid_and_never_worse_than_the_pools_first_choice(seq_lens):
+    plan = REFINED.plan(seq_lens)
+    check_plan(REFINED, plan, seq_lens)
+    assert set(plan.strategy.schemes) <= set(REFINED.pool_schemes), "only schemes the pool compiles"
+    usable = [s for s in TOY_POOL if max(TOY.max_tokens(t) for t in s.schemes) >= max(seq_lens)]
+    first = min(usable, key=lambda s: (fluid_estimate(TOY, s, seq_lens), s.describe()))
+    assert plan.est_step_ms <= REFINED.plan(seq_lens, strategy=first).est_step_ms + 1e-9
+    assert POOL_ONLY.plan(seq_lens).strategy in TOY_POOL + [Strategy.parse("2x(tp4)")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq_lens=toy_batches)
+def test_allow_keeps_steps_on_strategies_the_runtime_has_compiled(seq_lens):
+    fixed = Strategy.parse("2x(tp4)")
+    nothing_new = Planner(TOY, 8, TOY_POOL, fixed=fixed, allow=lambda s: False)
+    assert nothing_new.plan(seq_lens).strategy in TOY_POOL + [fixed]
+    only_tp1 = Planner(TOY, 8, TOY_POOL, fixed=fixed, allow=lambda s: TP2 not in s.schemes)
+    chosen = only_tp1.plan(seq_lens).strategy
+    assert chosen in TOY_POOL + [fixed] or TP2 not in chosen.schemes
