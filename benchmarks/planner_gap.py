@@ -6,6 +6,9 @@ candidate order), on the same batches, side by side.
                                                # of commoncrawl, github and python-code; 32B on 1024 GPUs
                                                # (1.6M tokens, 10 steps) for the solve time
     python -m benchmarks.planner_gap --smoke   # one small case (what CI runs)
+    python -m benchmarks.planner_gap --search  # also a strategy search on the 64-GPU settings: every
+                                               # strategy of one to three usable schemes, the 40 best by
+                                               # the fluid estimate planned in full (minutes)
 
 Each ratio is reported against the tightest bound (``passes.plan.bounds``) and against the area/latency bound
 alone (the bound before the pipeline and long-sequence bounds existed), as mean, p50, p90 and max over the
@@ -17,6 +20,7 @@ wall clock on this machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -30,7 +34,11 @@ from hcompile.tools.progress import progress_bar
 from hcompile.tools.simulate import PlanJob, prepare
 from passes.plan.bounds import bound_terms
 from passes.plan.diagnose import diagnose
+from passes.plan.ir import CostModel, Strategy
+from passes.plan.placement import usable_schemes
 from passes.plan.policies import Planner
+from passes.plan.pool import mixes_of
+from passes.plan.refine import fluid_scores
 
 SETTINGS = (
     PlanJob(model="llama-32b", gpus=64, dataset="commoncrawl", global_tokens=200_000, steps=30,
@@ -64,10 +72,41 @@ def _label(job: PlanJob) -> str:
     return f"{job.model}/{job.gpus}gpu/{job.dataset}/{job.global_tokens // 1000}K"
 
 
-def measure(job: PlanJob) -> dict:
-    """Plan every step of ``job`` with and without refinement; the record of the comparison."""
+_SEARCH_FULL = 40  # strategies the search plans in full per step
+
+
+def search_space(cost_model: CostModel, gpus: int) -> list[Strategy]:
+    """Every placeable strategy of one, two or three usable schemes of distinct caps that fills ``gpus`` (the
+    third scheme's replicas bounded by the second's and 8 for the first, as the pool's refinements are)."""
+    mt = cost_model.max_tokens
+    schemes = sorted(usable_schemes(cost_model, gpus), key=lambda s: (-mt(s), -s.gpus))
+    out: dict[Strategy, None] = {}
+    for k in (1, 2, 3):
+        for types in itertools.combinations(schemes, k):
+            if len({mt(t) for t in types}) < k:
+                continue
+            limits = {1: [], 2: None, 3: [4, 8]}[k]
+            out.update(dict.fromkeys(mixes_of(cost_model, gpus, list(types), limits=limits)))
+    return list(out)
+
+
+def searched_ms(planner: Planner, space: list[Strategy], batch: list[int]) -> float:
+    """The least estimated step time of the search: the best strategies of ``space`` by the fluid estimate,
+    each planned in full with the same dispatch and packing."""
+    longest = max(batch)
+    holding = [s for s in space if max(planner.cost_model.max_tokens(t) for t in s.schemes) >= longest]
+    scores = fluid_scores(planner.cost_model, holding, np.asarray(batch))
+    best = sorted(zip(scores, (s.describe() for s in holding), holding))[:_SEARCH_FULL]
+    return min(planner.plan(batch, strategy=s).est_step_ms for _, _, s in best)
+
+
+def measure(job: PlanJob, search: bool = False) -> dict:
+    """Plan every step of ``job`` with and without refinement (and, with ``search``, by the strategy search);
+    the record of the comparison."""
     after, dataset, batches = prepare(job)
     before = Planner(after.cost_model, after.gpus, after.pool, after.fixed, refine=False, full_at_least=1)
+    space = search_space(after.cost_model, job.gpus) if search else []
+    searched: list[float] = []
     runs = {name: _Run([], [], [], [], {"strategy": 0, "dispatch": 0, "packing": 0}) for name in ("before", "after")}
     for step, batch in enumerate(batches):
         bounds = bound_terms(after.cost_model, job.gpus, batch)
@@ -80,8 +119,16 @@ def measure(job: PlanJob) -> dict:
             run.est_ms.append(plan.est_step_ms)
             run.solve_ms.append(plan.solve_ms)
             run.costliest[d.costliest] += 1
+        if space:
+            searched.append(searched_ms(after, space, batch) / bounds.best)
         progress_bar(f"{_label(job)}", step + 1, len(batches))
     diff = np.asarray(runs["after"].est_ms) / np.asarray(runs["before"].est_ms)
+    extra = {}
+    if searched:
+        lead = np.asarray(runs["after"].ratios) / np.asarray(searched)
+        extra = {"search": {"strategies": len(space), "vs_bound": _distribution(searched),
+                            "after_over_search": _distribution(lead.tolist()),
+                            "steps_search_better_by_1pct": int((lead > 1.01).sum())}}
     return {
         "config": _label(job), "steps": len(batches), "pool": [s.describe() for s in after.pool],
         **{name: {"vs_bound": _distribution(r.ratios), "vs_area_latency_bound": _distribution(r.simple_ratios),
@@ -91,6 +138,7 @@ def measure(job: PlanJob) -> dict:
            for name, r in runs.items()},
         "after_vs_before_steps": {"better": int((diff < 1 - 1e-9).sum()), "equal": int((abs(diff - 1) <= 1e-9).sum()),
                                   "worse": int((diff > 1 + 1e-9).sum())},
+        **extra,
     }
 
 
@@ -106,16 +154,21 @@ def format_record(r: dict) -> str:
                      f"{x['solve_ms_p50']:>9.1f}ms{x['solve_ms_p95']:>7.1f}ms  {x['costliest']}")
     s = r["after_vs_before_steps"]
     lines.append(f"after vs before, per step: {s['better']} better, {s['equal']} equal, {s['worse']} worse")
+    if "search" in r:
+        x = r["search"]
+        lines.append(f"{'search':<8}{d(x['vs_bound']):>32}   ({x['strategies']} strategies; after / search per step: "
+                     f"{d(x['after_over_search'])}; search better by > 1% on {x['steps_search_better_by_1pct']} steps)")
     return "\n".join(lines)
 
 
-def run(jobs: tuple[PlanJob, ...], out_dir: Path) -> list[dict]:
-    """Measure each setting, print its table and append stamped JSON lines to ``out_dir/planner_gap.jsonl``."""
+def run(jobs: tuple[PlanJob, ...], out_dir: Path, search: bool = False) -> list[dict]:
+    """Measure each setting, print its table and append stamped JSON lines to ``out_dir/planner_gap.jsonl``;
+    ``search`` adds the strategy search to the 64-GPU settings."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = {"commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     records = []
     for job in jobs:
-        record = {**stamp, **measure(job)}
+        record = {**stamp, **measure(job, search=search and job.gpus <= 64)}
         print(format_record(record), flush=True)
         records.append(record)
     with open(out_dir / "planner_gap.jsonl", "a") as fh:
@@ -129,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_gap", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one small case, for CI")
     parser.add_argument("--out", default="results", help="folder for planner_gap.jsonl")
+    parser.add_argument("--search", action="store_true", help="also the strategy search (64-GPU settings; minutes)")
     args = parser.parse_args(argv)
-    run(SMOKE if args.smoke else SETTINGS, Path(args.out))
+    run(SMOKE if args.smoke else SETTINGS, Path(args.out), search=args.search)
     return 0
 
 

@@ -19,3 +19,11 @@ def test_smoke_compares_before_and_after_on_the_same_steps(tmp_path, capsys):
             assert 1 - 1e-9 <= ratio["p50"] <= ratio["max"]
         assert record[name]["vs_bound"]["mean"] <= record[name]["vs_area_latency_bound"]["mean"] + 1e-9
         assert sum(record[name]["costliest"].values()) == 3
+
+
+def test_the_search_never_beats_the_bound_and_is_reported(tmp_path, capsys):
+    assert main(["--smoke", "--search", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "planner_gap.jsonl").read_text().splitlines()[0])
+    search = record["search"]
+    assert search["strategies"] > 100 and search["vs_bound"]["p50"] >= 1 - 1e-9
+    assert 0 <= search["steps_search_better_by_1pct"] <= 3

@@ -21,7 +21,7 @@ from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan.placement import placeable, too_long_error, usable_schemes
 
-__all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate"]
+__all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate", "mixes_of"]
 
 _SPLIT_POINTS = 257
 
@@ -119,7 +119,7 @@ def fluid_estimate(cost_model: CostModel, strategy: Strategy, seq_lens: list[int
     return float(fluid_makespan(coeffs, counts, np.asarray(seq_lens, dtype=np.int64))[0])
 
 
-def _mixes(cost_model: CostModel, gpus: int, types: list[ParallelScheme],
+def mixes_of(cost_model: CostModel, gpus: int, types: list[ParallelScheme],
            limits: list[int] | None = None) -> list[Strategy]:
     """Every placeable strategy with at least one replica of each of ``types`` that fills ``gpus`` exactly:
     the leading types take 1..limit replicas each, the last type takes the GPUs that remain."""
@@ -154,7 +154,7 @@ def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.n
     for big in (s for s in schemes if mt(s) >= cap):
         for small in [None, *(s for s in schemes if mt(s) < mt(big))]:
             types = [big] if small is None else [big, small]
-            mixes = _mixes(cost_model, gpus, types, limits=None if small is not None else [])
+            mixes = mixes_of(cost_model, gpus, types, limits=None if small is not None else [])
             if mixes:
                 scored.extend(_score(cost_model, types, mixes, batches))
     if not scored:
@@ -165,7 +165,7 @@ def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.n
         (big, _), (small, _) = best[2].parts
         for middle in (s for s in schemes if mt(small) < mt(s) < mt(big)):
             types = [big, middle, small]
-            mixes = _mixes(cost_model, gpus, types, limits=[dict(best[2].parts)[big], 4])
+            mixes = mixes_of(cost_model, gpus, types, limits=[dict(best[2].parts)[big], 4])
             if mixes:
                 best = min([best, *_score(cost_model, types, mixes, batches)], key=lambda x: x[:2])
     return [best[2]] + [x[2] for x in scored[:keep] if x[2] != best[2]][: keep - 1]
