@@ -164,27 +164,30 @@ def cheapest_area(cost_model: CostModel, schemes: Sequence[ParallelScheme], seq_
     return t.cheapest(t.area)
 
 
-def area_latency(cost_model: CostModel, gpus: int, seq_lens: Sequence[int],
-                 schemes: Sequence[ParallelScheme] | None = None) -> tuple[float, float]:
-    """The area and latency bounds only (cheap; the planner prunes strategies with them)."""
+def _table(cost_model: CostModel, gpus: int, seq_lens: Sequence[int],
+           schemes: Sequence[ParallelScheme] | None) -> tuple[_Table, np.ndarray, np.ndarray]:
+    """The table over ``schemes`` (default: every scheme that fits in ``gpus``), the lengths, and each
+    sequence's cheapest GPU-ms; a sequence no scheme holds is the planner's too-long error."""
     if schemes is None:
         schemes = [s for s in cost_model.schemes if s.gpus <= gpus]
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    t = _Table(cost_model, schemes, lens)
-    area = t.cheapest(t.area)
-    if not np.isfinite(area).all():
-        raise too_long_error(cost_model, gpus, int(lens[~np.isfinite(area)].max()))
-    return float(area.sum() / gpus), float(t.cheapest(t.latency).max())
-
-
-def bound_terms(cost_model: CostModel, gpus: int, seq_lens: Sequence[int]) -> Bounds:
-    """Every bound of the batch over every scheme that fits in ``gpus``."""
-    schemes = [s for s in cost_model.schemes if s.gpus <= gpus]
     lens = np.asarray(seq_lens, dtype=np.int64)
     t = _Table(cost_model, schemes, lens)
     cheap_area = t.cheapest(t.area)
     if not np.isfinite(cheap_area).all():
         raise too_long_error(cost_model, gpus, int(lens[~np.isfinite(cheap_area)].max()))
+    return t, lens, cheap_area
+
+
+def area_latency(cost_model: CostModel, gpus: int, seq_lens: Sequence[int],
+                 schemes: Sequence[ParallelScheme] | None = None) -> tuple[float, float]:
+    """The area and latency bounds only (cheap; the planner prunes strategies with them)."""
+    t, _, cheap_area = _table(cost_model, gpus, seq_lens, schemes)
+    return float(cheap_area.sum() / gpus), float(t.cheapest(t.latency).max())
+
+
+def bound_terms(cost_model: CostModel, gpus: int, seq_lens: Sequence[int]) -> Bounds:
+    """Every bound of the batch over every scheme that fits in ``gpus``."""
+    t, lens, cheap_area = _table(cost_model, gpus, seq_lens, None)
     area, latency = float(cheap_area.sum() / gpus), float(t.cheapest(t.latency).max())
     low = max(area, latency) * 0.999  # the bisections start below both simple bounds
     return Bounds(area=area, latency=latency, pipeline=_pipeline_bound(t, gpus, low),
