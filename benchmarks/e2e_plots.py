@@ -67,7 +67,7 @@ def plot_throughput(summary: dict, path: Path) -> Path:
         ax.tick_params(axis="x", labelsize=8)
     cfg = summary["config"]
     fig.suptitle(f"{cfg['model']}, {cfg['ranks']} ranks, {cfg['dataset']} (context {cfg['context']}), "
-                 f"cap {cfg['max_tokens']} tok/rank, {cfg['steps']} steps", fontsize=9)
+                 f"cap {cfg['tokens_per_rank']} tok/rank, {cfg['steps']} steps", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -31,9 +31,11 @@ def test_text_batches_are_real_bytes_within_the_budget():
 
 def test_smoke_json_has_every_field(tmp_path, capsys):
     out = tmp_path / "results"
-    assert main(["--smoke", "--ranks", "2", "--json", "--no-plots", "--out", str(out),
+    assert main(["--smoke", "--ranks", "2", "--json", "--out", str(out),
                  "--policy", "hydraulis", "--policy", "homogeneous-token"]) == 0
     summary = json.loads(capsys.readouterr().out)
+    pngs = sorted(p.name for p in out.glob("e2e_*.png"))
+    assert pngs == ["e2e_loss.png", "e2e_throughput.png", "e2e_timeline.png"], pngs  # what make run draws
     assert summary["config"]["steps"] == 2 and summary["config"]["model"] == "llama-tiny"
     assert summary["config"]["dataset"] == "stdlib"  # real text by default
     assert summary["loss_spread"] < 1e-4  # the same batches, exact gradients: the loss curves coincide
