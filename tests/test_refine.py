@@ -1,10 +1,12 @@
 """Per-step strategy refinement: the neighbours of a strategy, the hill climb, and the planner that uses it."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.plan.ir import ParallelScheme, Strategy
+from hcompile.tools.simulate import PlanJob, prepare
+from passes.plan.ir import ParallelScheme, PlanError, Strategy
 from passes.plan.policies import Planner
 from passes.plan.pool import fluid_estimate
 from passes.plan.refine import fluid_scores, neighbours, refine_strategy
@@ -73,8 +75,6 @@ def test_allow_keeps_steps_on_strategies_the_runtime_has_compiled(seq_lens):
 def test_refinement_closes_part_of_the_gap_at_paper_scale():
     """32B on 64 GPUs, github, 8 steps (seed 0): the refined plans are no slower on any step and closer to
     the bound on average than the pool's strategies alone (measured: benchmarks.planner_gap)."""
-    from hcompile.tools.simulate import PlanJob, prepare
-
     job = PlanJob(model="llama-32b", gpus=64, dataset="github", global_tokens=200_000, steps=8, seed=0,
                   optimizer_layout="4x(tp16)", policies=("hydraulis",))
     after, _, batches = prepare(job)
@@ -84,3 +84,10 @@ def test_refinement_closes_part_of_the_gap_at_paper_scale():
     gain = np.mean([old / plan.lower_bound_ms for old, plan in ratios]) - np.mean(
         [plan.est_step_ms / plan.lower_bound_ms for _, plan in ratios])
     assert gain > 0.01
+
+
+def test_bad_refinement_settings_are_named():
+    with pytest.raises(PlanError, match="full_at_least must be a positive integer, got 0"):
+        Planner(TOY, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"), full_at_least=0)
+    with pytest.raises(PlanError, match="refine_starts must be a positive integer, got 1.5"):
+        Planner(TOY, 8, TOY_POOL, fixed=Strategy.parse("2x(tp4)"), refine_starts=1.5)

@@ -63,6 +63,9 @@ class Planner:
                  rounds: int = 64, prune_above: float = 1.02, refine: bool = True, refine_starts: int = 2,
                  full_at_least: int = 2, allow: Callable[[Strategy], bool] | None = None):
         self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
+        for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
         for strategy in [*pool, fixed]:
             self._check_strategy(strategy)
         self.pool, self.fixed = list(pool), fixed
