@@ -107,9 +107,11 @@ def measure(job: PlanJob, search: bool = False) -> dict:
     before = Planner(after.cost_model, after.gpus, after.pool, after.fixed, refine=False, full_at_least=1)
     space = search_space(after.cost_model, job.gpus) if search else []
     searched: list[float] = []
+    tightening: list[float] = []  # the tightest bound over the area/latency bound, per step
     runs = {name: _Run([], [], [], [], {"strategy": 0, "dispatch": 0, "packing": 0}) for name in ("before", "after")}
     for step, batch in enumerate(batches):
         bounds = bound_terms(after.cost_model, job.gpus, batch)
+        tightening.append(bounds.best / max(bounds.area, bounds.latency))
         for name, planner in (("before", before), ("after", after)):
             plan = planner.plan(batch)
             d = diagnose(after.cost_model, job.gpus, plan, bounds)
@@ -136,6 +138,7 @@ def measure(job: PlanJob, search: bool = False) -> dict:
                   "solve_ms_p50": round(float(np.percentile(r.solve_ms, 50)), 3),
                   "solve_ms_p95": round(float(np.percentile(r.solve_ms, 95)), 3), "costliest": r.costliest}
            for name, r in runs.items()},
+        "bound_over_area_latency_bound": _distribution(tightening),
         "after_vs_before_steps": {"better": int((diff < 1 - 1e-9).sum()), "equal": int((abs(diff - 1) <= 1e-9).sum()),
                                   "worse": int((diff > 1 + 1e-9).sum())},
         **extra,
@@ -154,6 +157,8 @@ def format_record(r: dict) -> str:
                      f"{x['solve_ms_p50']:>9.1f}ms{x['solve_ms_p95']:>7.1f}ms  {x['costliest']}")
     s = r["after_vs_before_steps"]
     lines.append(f"after vs before, per step: {s['better']} better, {s['equal']} equal, {s['worse']} worse")
+    lines.append(f"the bound over the area/latency bound: {d(r['bound_over_area_latency_bound'])} "
+                 "(no plan is closer to the area/latency bound than this)")
     if "search" in r:
         x = r["search"]
         lines.append(f"{'search':<8}{d(x['vs_bound']):>32}   ({x['strategies']} strategies; after / search per step: "

@@ -13,6 +13,7 @@ def test_smoke_compares_before_and_after_on_the_same_steps(tmp_path, capsys):
     record = json.loads(line)
     assert record["commit"] and record["steps"] == 3
     assert sum(record["after_vs_before_steps"].values()) == 3
+    assert record["bound_over_area_latency_bound"]["p50"] >= 1 - 1e-12
     for name in ("before", "after"):
         for key in ("vs_bound", "vs_area_latency_bound"):
             ratio = record[name][key]
