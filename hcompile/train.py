@@ -280,7 +280,8 @@ class Trainer:
         self._service: PlanService | None = None
         self._restored_pool: tuple[list[Strategy], Strategy] | None = None
         self._warm: set[Strategy] = set()
-        self._warm_replicas: tuple[set, set] | None = None
+        self._warm_places: set[tuple[ParallelScheme, tuple[int, ...]]] = set()
+        """(scheme, ranks) of every replica of the warmed strategies: where compiled variants exist."""
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
 
@@ -309,10 +310,7 @@ class Trainer:
     def _compiled_placement(self, strategy: Strategy) -> bool:
         """Whether every replica of ``strategy`` lands on ranks where a warmed strategy has the same scheme's
         replica: then every variant, TP group and compute copy it needs exists already (no new compilation)."""
-        if self._warm_replicas is None or len(self._warm_replicas[1]) != len(self._warm):
-            known = {(scheme, ranks) for s in self._warm for scheme, ranks in _replica_places(s, self.cluster)}
-            self._warm_replicas = (known, set(self._warm))
-        return all(place in self._warm_replicas[0] for place in _replica_places(strategy, self.cluster))
+        return all(place in self._warm_places for place in _replica_places(strategy, self.cluster))
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
         """Compile, before the first step, every variant these strategies can need: for each strategy and
@@ -323,6 +321,7 @@ class Trainer:
             if strategy in self._warm:
                 continue
             self._warm.add(strategy)
+            self._warm_places.update(_replica_places(strategy, self.cluster))
             replicas = strategy.replicas()
             top = [self.provider.buckets.bucket_for(self.cost_model.max_tokens(s)) for s in replicas]
             for bucket in (b for b in sizes if b <= max(top)):
