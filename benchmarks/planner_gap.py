@@ -32,13 +32,11 @@ import numpy as np
 from benchmarks.provenance import commit
 from hcompile.tools.progress import progress_bar
 from hcompile.tools.simulate import PlanJob, prepare
-from passes.plan.bounds import bound_terms
 from passes.plan.diagnose import diagnose
 from passes.plan.ir import CostModel, Strategy
 from passes.plan.placement import usable_schemes
 from passes.plan.policies import Planner
-from passes.plan.pool import mixes_of
-from passes.plan.refine import fluid_scores
+from passes.plan.pool import fluid_scores, mixes_of
 
 SETTINGS = (
     PlanJob(model="llama-32b", gpus=64, dataset="commoncrawl", global_tokens=200_000, steps=30,
@@ -110,7 +108,7 @@ def measure(job: PlanJob, search: bool = False) -> dict:
     tightening: list[float] = []  # the tightest bound over the area/latency bound, per step
     runs = {name: _Run([], [], [], [], {"strategy": 0, "dispatch": 0, "packing": 0}) for name in ("before", "after")}
     for step, batch in enumerate(batches):
-        bounds = bound_terms(after.cost_model, job.gpus, batch)
+        bounds = after.bounds(batch)
         tightening.append(bounds.best / max(bounds.area, bounds.latency))
         for name, planner in (("before", before), ("after", after)):
             plan = planner.plan(batch)

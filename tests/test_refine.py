@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from hcompile.tools.simulate import PlanJob, prepare
 from passes.plan.ir import ParallelScheme, PlanError, Strategy
 from passes.plan.policies import Planner
-from passes.plan.pool import fluid_estimate
-from passes.plan.refine import fluid_scores, neighbours, refine_strategy
+from passes.plan.pool import fluid_estimate, fluid_scores
+from passes.plan.refine import neighbours, refine_strategy
 from tests.test_plan_properties import TOY, TOY_POOL, check_plan
 
 TP1, TP2, TP4 = ParallelScheme(tp=1), ParallelScheme(tp=2), ParallelScheme(tp=4)

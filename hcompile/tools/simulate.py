@@ -13,7 +13,7 @@ import numpy as np
 
 from hcompile.tools.files import check_output_path, write_text_atomically
 from hcompile.tools.progress import progress_bar
-from passes.plan.bounds import Bounds, bound_terms
+from passes.plan.bounds import Bounds
 from passes.plan.cost_model import (
     HCOMPILE_RUNTIME,
     MEMORY_MODELS,
@@ -221,7 +221,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     diagnoses: dict[str, list[StepDiagnosis]] = {p: [] for p in job.policies}
     bounds: list[Bounds] = []
     for step, batch in enumerate(batches):
-        bounds.append(bound_terms(planner.cost_model, job.gpus, batch))
+        bounds.append(planner.bounds(batch))  # computed once, reused by every policy's plan of the batch
         for policy in job.policies:
             plan = planner.plan(batch, policy)
             diagnosis = diagnose(planner.cost_model, job.gpus, plan, bounds[-1])

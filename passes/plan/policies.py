@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from passes.plan.assign import Kind, dispatch, first_fit
-from passes.plan.bounds import lower_bound_ms
+from passes.plan.bounds import Bounds, bound_terms, lower_bound_ms
 from passes.plan.datasets import check_batch
 from passes.plan.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
-from passes.plan.pool import fluid_estimate
+from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
 
 __all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
@@ -78,6 +80,7 @@ class Planner:
         replica sits where a compiled one already does."""
         self.refine_starts = refine_starts
         """Hill climbs per step, from the pool's best strategies by the fluid estimate."""
+        self._last_bounds: tuple[tuple[int, ...], Bounds] | None = None
         self.full_at_least = full_at_least
         """Strategies planned in full per step, the best by the fluid estimate (more while within ``prune_above``)."""
 
@@ -96,7 +99,7 @@ class Planner:
         if policy not in POLICIES:
             raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         seq_lens = check_batch(list(seq_lens))
-        bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens)
+        bound = self.bounds(seq_lens).best
         started = time.perf_counter()
         if strategy is not None:
             self._check_strategy(strategy)
@@ -112,6 +115,14 @@ class Planner:
         return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
                         est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms)
 
+    def bounds(self, seq_lens: Sequence[int]) -> Bounds:
+        """Every lower bound of the batch (``bounds.bound_terms``), kept for the last batch: the policies
+        planned side by side on one batch compute them once."""
+        key = tuple(seq_lens)
+        if self._last_bounds is None or self._last_bounds[0] != key:
+            self._last_bounds = (key, bound_terms(self.cost_model, self.gpus, key))
+        return self._last_bounds[1]
+
     def _holds(self, strategy: Strategy, longest: int) -> bool:
         return max(self.cost_model.max_tokens(s) for s in strategy.schemes) >= longest
 
@@ -125,8 +136,8 @@ class Planner:
             usable = [s for s in self.homogeneous if self._holds(s, longest)]
         if not usable:
             raise too_long_error(self.cost_model, self.gpus, longest)
-        ranked = sorted(((fluid_estimate(self.cost_model, s, seq_lens), s.describe(), s) for s in usable),
-                        key=lambda x: x[:2])
+        scores = fluid_scores(self.cost_model, usable, np.asarray(seq_lens, dtype=np.int64))
+        ranked = sorted(zip(scores, (s.describe() for s in usable), usable), key=lambda x: x[:2])
         if not refine:
             return ranked
         scored = {s: f for f, _, s in ranked}

@@ -13,6 +13,8 @@ homogeneous strategy sized for the dataset's longest sequence.
 from __future__ import annotations
 
 import itertools
+import math
+from typing import Sequence
 
 import numpy as np
 
@@ -21,7 +23,8 @@ from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan.placement import placeable, too_long_error, usable_schemes
 
-__all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate", "mixes_of"]
+__all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate", "fluid_scores",
+           "mixes_of"]
 
 _SPLIT_POINTS = 257
 
@@ -111,12 +114,27 @@ def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> n
     return worst.min(axis=1)
 
 
+def fluid_scores(cost_model: CostModel, strategies: Sequence[Strategy], seq_lens: np.ndarray) -> list[float]:
+    """The fluid makespan estimate of each strategy on one batch (inf where it cannot hold the batch), one
+    vectorised ``fluid_makespan`` per set of schemes."""
+    mt = cost_model.max_tokens
+    by_types: dict[tuple[ParallelScheme, ...], list[int]] = {}
+    for i, s in enumerate(strategies):
+        types = tuple(sorted(s.schemes, key=lambda t: (-mt(t), -t.gpus)))
+        by_types.setdefault(types, []).append(i)
+    scores = [math.inf] * len(strategies)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    for types, members in by_types.items():
+        coeffs = [Kind.of(cost_model, t) for t in types]
+        counts = np.array([[dict(strategies[i].parts)[t] for t in types] for i in members])
+        for i, value in zip(members, fluid_makespan(coeffs, counts, lens)):
+            scores[i] = float(value)
+    return scores
+
+
 def fluid_estimate(cost_model: CostModel, strategy: Strategy, seq_lens: list[int]) -> float:
     """The fluid makespan estimate of one strategy on one batch (inf when it cannot hold the batch)."""
-    types = sorted(strategy.schemes, key=lambda t: (-cost_model.max_tokens(t), -t.gpus))
-    counts = np.array([[dict(strategy.parts)[t] for t in types]])
-    coeffs = [Kind.of(cost_model, t) for t in types]
-    return float(fluid_makespan(coeffs, counts, np.asarray(seq_lens, dtype=np.int64))[0])
+    return fluid_scores(cost_model, [strategy], np.asarray(seq_lens, dtype=np.int64))[0]
 
 
 def mixes_of(cost_model: CostModel, gpus: int, types: list[ParallelScheme],

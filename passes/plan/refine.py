@@ -2,7 +2,7 @@
 is not typical is better served by another mix of the same schemes (the schemes, not the mixes, are what
 the runtime compiles, so any mix of them runs without a new compilation).
 
-From a start strategy, a hill climb on the fluid makespan estimate (``pool.fluid_makespan``) over moves that
+From a start strategy, a hill climb on the fluid makespan estimate (``pool.fluid_scores``) over moves that
 trade the GPUs of some replicas of one scheme for replicas of another scheme of the set: the smallest trade
 both GPU counts divide, and 2, 4, 8... times it. Every candidate fills the cluster, tiles the nodes, holds
 the batch's longest sequence and has at most three schemes. Deterministic: ties go to the described name.
@@ -15,12 +15,11 @@ from typing import Sequence
 
 import numpy as np
 
-from passes.plan.assign import Kind
 from passes.plan.ir import CostModel, ParallelScheme, Strategy
 from passes.plan.placement import placeable
-from passes.plan.pool import fluid_makespan
+from passes.plan.pool import fluid_scores
 
-__all__ = ["neighbours", "refine_strategy", "fluid_scores"]
+__all__ = ["neighbours", "refine_strategy"]
 
 _MAX_SCHEMES = 3  # the fluid estimate splits a sorted batch into at most three segments
 
@@ -47,22 +46,6 @@ def neighbours(strategy: Strategy, schemes: Sequence[ParallelScheme], gpus_per_n
                         out[candidate] = None
                 step *= 2
     return list(out)
-
-
-def fluid_scores(cost_model: CostModel, strategies: Sequence[Strategy], seq_lens: np.ndarray) -> list[float]:
-    """The fluid makespan estimate of each strategy, one vectorised evaluation per set of schemes."""
-    mt = cost_model.max_tokens
-    by_types: dict[tuple[ParallelScheme, ...], list[int]] = {}
-    for i, s in enumerate(strategies):
-        types = tuple(sorted(s.schemes, key=lambda t: (-mt(t), -t.gpus)))
-        by_types.setdefault(types, []).append(i)
-    scores = [math.inf] * len(strategies)
-    for types, members in by_types.items():
-        coeffs = [Kind.of(cost_model, t) for t in types]
-        counts = np.array([[dict(strategies[i].parts)[t] for t in types] for i in members])
-        for i, value in zip(members, fluid_makespan(coeffs, counts, seq_lens)):
-            scores[i] = float(value)
-    return scores
 
 
 def refine_strategy(cost_model: CostModel, start: Strategy, schemes: Sequence[ParallelScheme],
