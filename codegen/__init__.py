@@ -7,7 +7,7 @@ generated from; ``reference_forward`` / ``reference_backward`` are the plain-tor
 Triton itself is imported only when a Triton kernel is first generated, so this package imports without it.
 
 For graph rewrites: the op is ``torch.ops.hydraulis.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal,
-softmax_scale, kernel) -> (out, lse)`` with ``max_seqlen`` a SymInt and ``kernel`` already resolved
+softmax_scale, softcap, kernel) -> (out, lse)`` with ``max_seqlen`` a SymInt and ``kernel`` already resolved
 ("triton", "cpu-flash" or "reference"; see ``resolve_kernel``); its autograd calls ``torch.ops.hydraulis.
 packed_attention_backward``.  Either compile with dynamic shapes or pass ``bucket_max_seqlen(longest)``.
 """

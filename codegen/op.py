@@ -33,20 +33,25 @@ def packed_attention_op(
     max_seqlen: int,
     causal: bool,
     softmax_scale: float,
+    softcap: float | None,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed attention forward on one kernel ("triton", "cpu-flash" or "reference"); returns (out, lse)."""
+    """Packed attention forward on one kernel ("triton", "cpu-flash" or "reference"); returns (out, lse).
+    PyTorch's CPU flash kernel has no score cap: with ``softcap`` the CPU runs the reference. ``softcap`` is None
+    when there is no cap (not 0.0: a float constant would make dynamo restart its analysis to tensorify it)."""
+    softcap = softcap or 0.0
     check_layout(q, k, v, cu_seqlens, max_seqlen, kernel)
     offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
     if kernel == "triton":
-        return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale)
-    if kernel == "cpu-flash":
+        return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
+                              softcap=softcap)
+    if kernel == "cpu-flash" and not softcap:
         return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
-    return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
+    return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, softcap=softcap)
 
 
 @packed_attention_op.register_fake
-def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, kernel):
+def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel):
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
@@ -64,6 +69,7 @@ def packed_attention_backward_op(
     max_seqlen: int,
     causal: bool,
     softmax_scale: float,
+    softcap: float | None,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp.
@@ -72,27 +78,29 @@ def packed_attention_backward_op(
     would synchronise the GPU), the reference path needs the offsets on the host anyway.
     """
     kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
+    softcap = softcap or 0.0
     if kernel == "triton":
-        return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, **kwargs)
+        return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softcap=softcap, **kwargs)
     offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
-    if kernel == "cpu-flash":
+    if kernel == "cpu-flash" and not softcap:
         return cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
-    return reference_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
+    return reference_backward(grad_out, q, k, v, out, lse, offsets, softcap=softcap, **kwargs)
 
 
 @packed_attention_backward_op.register_fake
 def _packed_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
-                                    kernel):
+                                    softcap, kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, kernel = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.max_seqlen = max_seqlen
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
+    ctx.softcap = softcap
     ctx.kernel = kernel
 
 
@@ -100,9 +108,9 @@ def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -
     # lse is an internal output that packed_attention never returns, so grad_lse is None or zeros.
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     grad_q, grad_k, grad_v = packed_attention_backward_op(
-        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.kernel
+        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.softcap, ctx.kernel
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
 
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -133,13 +141,16 @@ def packed_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    softcap: float | None = None,
     kernel: str = "auto",
 ) -> torch.Tensor:
     """Attention within each sequence of a packed batch; differentiable in q, k and v.
 
     q: (total_tokens, heads_q, head_dim); k, v: (total_tokens, heads_kv, head_dim) with heads_q % heads_kv == 0
     (GQA, MQA); cu_seqlens: int32 (num_seqs + 1) offsets from 0 to total_tokens, non-decreasing; max_seqlen:
-    an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``kernel``:
+    an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``softcap`` (None:
+    no cap) caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2; the CPU then runs the reference).
+    ``kernel``:
     "triton", "cpu-flash" (PyTorch's fused CPU kernel), "reference" (plain torch, the oracle) or "auto" (Triton on
     a GPU, cpu-flash on the CPU, the reference elsewhere).  Returns a tensor like q.
     Contract violations raise ValueError before any kernel runs.  Under torch.compile, compile with dynamic
@@ -150,5 +161,7 @@ def packed_attention(
     resolved = resolve_kernel(kernel, q.device)
     check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
-    out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, resolved)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None (no cap), got {softcap!r}")
+    out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved)
     return out

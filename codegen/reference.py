@@ -21,6 +21,11 @@ def sequence_spans(offsets: list[int]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
 
 
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Scores capped to ``softcap * tanh(scores / softcap)`` (unchanged when softcap is 0)."""
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
 def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """(len, len) boolean, True where key j is visible to query i (j <= i)."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -34,8 +39,10 @@ def reference_forward(
     *,
     causal: bool,
     softmax_scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32."""
+    """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32. ``softcap``
+    (when > 0) caps the scaled scores to ``softcap * tanh(s / softcap)``."""
     total_tokens, heads_q, _ = q.shape
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
@@ -44,7 +51,7 @@ def reference_forward(
         q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
         k_seq = _expand_kv(k[start:end], group_size)
         v_seq = _expand_kv(v[start:end], group_size)
-        scores = torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale  # (heads_q, len, len)
+        scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)  # (heads_q, len, len)
         if causal:
             scores = scores.masked_fill(~_causal_mask(end - start, q.device), float("-inf"))
         seq_lse = torch.logsumexp(scores, dim=-1)  # (heads_q, len)
@@ -65,6 +72,7 @@ def reference_backward(
     *,
     causal: bool,
     softmax_scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for q, k and v, recomputing probabilities from the saved ``lse``."""
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
@@ -77,13 +85,15 @@ def reference_backward(
         v_seq = _expand_kv(v[start:end], group_size)
         do_seq = grad_out[start:end].transpose(0, 1).float()
         o_seq = out[start:end].transpose(0, 1).float()
-        scores = torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale
+        scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)
         probs = torch.exp(scores - lse[:, start:end].unsqueeze(-1))
         if causal:
             probs = probs.masked_fill(~_causal_mask(length, q.device), 0.0)
         delta = (do_seq * o_seq).sum(dim=-1, keepdim=True)  # (heads_q, len, 1) = rowsum(P * dP)
         grad_probs = torch.matmul(do_seq, v_seq.transpose(1, 2))
         grad_scores = probs * (grad_probs - delta)
+        if softcap:  # through the cap: d(c tanh(x / c)) / dx = 1 - (capped / c)^2
+            grad_scores = grad_scores * (1.0 - (scores / softcap) ** 2)
         grad_q_seq = torch.matmul(grad_scores, k_seq) * softmax_scale
         # Sum the group's query heads back onto their shared kv head: (heads_q, len, d) -> (heads_kv, len, d).
         grad_k_seq = (torch.matmul(grad_scores.transpose(1, 2), q_seq) * softmax_scale).view(
@@ -94,3 +104,33 @@ def reference_backward(
         grad_k[start:end] = grad_k_seq.transpose(0, 1).to(k.dtype)
         grad_v[start:end] = grad_v_seq.transpose(0, 1).to(v.dtype)
     return grad_q, grad_k, grad_v
+
+
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with a score cap: scores ``s`` become ``softcap * tanh(s / softcap)``
+    before the mask (Gemma 2's eager attention); (B, H, T, D) like SDPA, plain torch. What the graph passes
+    turn a soft-capped eager attention into; the packed rewrite replaces it by the packed op."""
+    if dropout_p:
+        raise ValueError(f"softcapped_attention takes no dropout, got dropout_p={dropout_p!r}")
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
+    scale = 1.0 / query.shape[-1] ** 0.5 if scale is None else scale
+    scores = _capped(torch.matmul(query, key.transpose(-2, -1)).float() * scale, softcap)
+    length = query.shape[-2]
+    if is_causal:
+        scores = scores.masked_fill(~_causal_mask(length, query.device), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)

@@ -5,14 +5,16 @@ The bodies are plain Python functions, not yet jitted: ``codegen.triton_launch``
 ``TRITON_INTERPRET`` is read when a kernel is first generated, not when this module is imported.
 
 Layout: q, out, dout, dq are (total_tokens, heads_q, head_dim); k, v, dk, dv are (total_tokens, heads_kv,
-head_dim); lse and delta are (heads_q, total_tokens) fp32; ``cu_seqlens`` is int32 (num_seqs + 1).  A program
+head_dim); lse and delta are (heads_q, total_tokens) fp32; ``cu_seqlens`` is int32 (num_seqs + 1). A program
 handles one block of rows of one sequence and one head; rows past the sequence's end are masked, programs whose
-block starts past the end return at once.  Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) -
-lse * log2(e))``.  ``seqlen_bucket`` (max_seqlen rounded up to a power of two) is unused by the bodies: it is the
-autotune key on a GPU.  ``UPCAST`` casts loaded q, k, v, dout to fp32: the interpreter's ``tl.dot`` multiplies
-the raw bits of bf16 operands, so bf16 specs set it under ``TRITON_INTERPRET=1``.  Padding rows use a large finite
-negative score instead of -inf so that no NaN is formed.  Every (tokens, head_dim) tile is read by ``load_tile``,
-a helper ``codegen.triton_launch`` jits beside the kernel (``HELPERS``).
+block starts past the end return at once. Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) - lse *
+log2(e))``. ``SOFTCAP`` caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2's attention); the
+backward multiplies each score gradient by the cap's derivative. ``seqlen_bucket`` (max_seqlen rounded up to a
+power of two) is unused by the bodies: it is the autotune key on a GPU. ``UPCAST`` casts loaded q, k, v, dout to
+fp32: the interpreter's ``tl.dot`` multiplies the raw bits of bf16 operands, so bf16 specs set it under
+``TRITON_INTERPRET=1``. Padding rows use a large finite negative score instead of -inf so that no NaN is formed.
+Every (tokens, head_dim) tile is read by ``load_tile``, a helper ``codegen.triton_launch`` jits beside the kernel
+(``HELPERS``).
 """
 
 
@@ -29,7 +31,7 @@ NEG_LARGE = tl.constexpr(-1.0e30)
 MAX_COMBINE = tl.standard._elementwise_max
 SUM_COMBINE = tl.standard._sum_combine
 
-HELPERS = ("load_tile",)
+HELPERS = ("load_tile", "soft_cap")
 """Bodies the kernels call; jitted with them, in the same mode."""
 
 
@@ -41,12 +43,17 @@ def load_tile(ptr, tokens, stride_t, head, stride_h, dims, ok, UPCAST: tl.conste
     return tile
 
 
+def soft_cap(raw, cap):
+    """``cap * tanh(raw / cap)``, through exp (finite for any raw: exp overflowing to inf gives cap)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * raw / cap) + 1.0))
+
+
 def packed_attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    scale, seqlen_bucket,
+    scale, softcap, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -59,7 +66,6 @@ def packed_attention_forward_kernel(
         dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < length
         q = load_tile(q_ptr, start + rows, stride_qt, head, stride_qh, dims, row_ok, UPCAST)
-        qk_scale = scale * LOG2_E
         m_i = tl.full([BLOCK_M], NEG_LARGE, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
@@ -74,7 +80,10 @@ def packed_attention_forward_kernel(
             visible = col_ok[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
-            s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale, NEG_LARGE)
+            raw = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            if SOFTCAP:
+                raw = soft_cap(raw, softcap)
+            s = tl.where(visible, raw * LOG2_E, NEG_LARGE)
             m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX_COMBINE))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -91,9 +100,9 @@ def packed_attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dqt, stride_dqh, stride_lh,
-    scale, seqlen_bucket,
+    scale, softcap, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -109,7 +118,6 @@ def packed_attention_backward_dq_kernel(
         do = load_tile(dout_ptr, start + rows, stride_dout_t, head, stride_dout_h, dims, row_ok, UPCAST)
         lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
         delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
-        qk_scale = scale * LOG2_E
         dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
         stop = length
         if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
@@ -122,10 +130,14 @@ def packed_attention_backward_dq_kernel(
             visible = col_ok[None, :] & row_ok[:, None]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None])
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            if SOFTCAP:
+                s = soft_cap(s, softcap)
+            p = tl.where(visible, tl.exp2(s * LOG2_E - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:  # through the cap: d(c tanh(x / c)) / dx = 1 - (capped / c)^2
+                ds = ds * (1.0 - (s / softcap) * (s / softcap))
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
         dq = dq * scale
         tl.store(dq_ptr + (start + rows)[:, None] * stride_dqt + head * stride_dqh + dims[None, :],
@@ -136,9 +148,9 @@ def packed_attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    scale, seqlen_bucket,
+    scale, softcap, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program owns a block of key rows of one kv head and loops over the GROUP query heads sharing it,
@@ -153,7 +165,6 @@ def packed_attention_backward_dkdv_kernel(
         col_ok = cols < length
         k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
         v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
-        qk_scale = scale * LOG2_E
         dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         # Causal: query rows before this key block see none of it; start at the block that holds its first key.
@@ -172,11 +183,15 @@ def packed_attention_backward_dkdv_kernel(
                 visible = col_ok[:, None] & row_ok[None, :]  # transposed: (keys, queries)
                 if CAUSAL:
                     visible = visible & (cols[:, None] <= rows[None, :])
-                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-                p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale
+                if SOFTCAP:
+                    s_t = soft_cap(s_t, softcap)
+                p_t = tl.where(visible, tl.exp2(s_t * LOG2_E - lse2[None, :]), 0.0)
                 dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
                 dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
                 ds_t = p_t * (dp_t - delta[None, :])
+                if SOFTCAP:
+                    ds_t = ds_t * (1.0 - (s_t / softcap) * (s_t / softcap))
                 dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
         dk = dk * scale
         tl.store(dk_ptr + (start + cols)[:, None] * stride_dkt + head_kv * stride_dkh + dims[None, :],

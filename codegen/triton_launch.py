@@ -92,7 +92,7 @@ def _generate(body_name: str, specs: tuple[KernelSpec, ...], interpret: bool) ->
 
 def _launch(
     body_name: str, specs: tuple[KernelSpec, ...], grid_rows: Callable[[dict], int], grid_rest: tuple[int, int],
-    args: tuple, max_seqlen: int,
+    args: tuple, max_seqlen: int, softcap: float,
 ) -> None:
     """Launch a generated kernel with the spec's constexprs; block sizes come from autotuning on a GPU."""
     interpret = interpreting()
@@ -104,6 +104,7 @@ def _launch(
         "GROUP": spec.group_size,
         "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32",
         "UPCAST": spec.upcast_operands,
+        "SOFTCAP": softcap > 0,
     }
     if interpret:
         constexprs.update(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n)
@@ -125,7 +126,7 @@ def _nothing_to_do(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
 
 def triton_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    *, causal: bool, softmax_scale: float,
+    *, causal: bool, softmax_scale: float, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward with the generated kernel: ``out`` like q and fp32 ``lse`` (heads_q, tokens)."""
     require_triton_runnable(q.device)
@@ -138,17 +139,18 @@ def triton_forward(
     args = (
         q, k, v, out, lse, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), softmax_scale,
+        out.stride(0), out.stride(1), lse.stride(0), softmax_scale, softcap,
     )
     with _device_guard(q.device):
         _launch("packed_attention_forward_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
-                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max_seqlen)
+                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max_seqlen, softcap)
     return out, lse
 
 
 def triton_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for q, k, v: a dq kernel over query blocks and a dk/dv kernel over key blocks."""
     require_triton_runnable(q.device)
@@ -163,14 +165,15 @@ def triton_backward(
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               grad_out.stride(0), grad_out.stride(1))
     dq_args = (q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, *common,
-               grad_q.stride(0), grad_q.stride(1), lse.stride(0), softmax_scale)
+               grad_q.stride(0), grad_q.stride(1), lse.stride(0), softmax_scale, softcap)
     dkdv_args = (q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, *common,
-                 grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1), lse.stride(0), softmax_scale)
+                 grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1), lse.stride(0), softmax_scale,
+                 softcap)
     with _device_guard(q.device):
         _launch("packed_attention_backward_dq_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
-                (num_seqs, q.shape[1]), dq_args, max_seqlen)
+                (num_seqs, q.shape[1]), dq_args, max_seqlen, softcap)
         _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_N"]),
-                (num_seqs, k.shape[1]), dkdv_args, max_seqlen)
+                (num_seqs, k.shape[1]), dkdv_args, max_seqlen, softcap)
     return grad_q, grad_k, grad_v
 
 
@@ -207,7 +210,7 @@ def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict
     body = getattr(triton_kernels, body_name)
     constexprs = {
         "HEAD_DIM": spec.head_dim, "CAUSAL": spec.causal, "GROUP": spec.group_size,
-        "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32", "UPCAST": spec.upcast_operands,
+        "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32", "UPCAST": spec.upcast_operands, "SOFTCAP": False,
         "BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n,
     }
     signature = {}
@@ -221,7 +224,7 @@ def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict
         elif name.endswith("_ptr"):
             signature[name] = _POINTER_TYPES[spec.dtype]
         else:
-            signature[name] = "fp32" if name == "scale" else "i32"
+            signature[name] = "fp32" if name in ("scale", "softcap") else "i32"
     import triton
 
     source = ASTSource(JITFunction(_with_helpers(body, triton)), signature, constexprs)

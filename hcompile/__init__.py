@@ -8,6 +8,7 @@ from hcompile.api import CompiledModel, compile, hydraulis
 from hcompile.capture import Captured, CaptureError, capture
 from hcompile.init import empty_init, normal_init
 from hcompile.train import Trainer, TrainOptions
+from hcompile.verify import LoweringError
 
-__all__ = ["CaptureError", "Captured", "CompiledModel", "TrainOptions", "Trainer", "capture", "compile",
-           "empty_init", "hydraulis", "normal_init"]
+__all__ = ["CaptureError", "Captured", "CompiledModel", "LoweringError", "TrainOptions", "Trainer", "capture",
+           "compile", "empty_init", "hydraulis", "normal_init"]

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from hcompile.capture import Captured, capture
-from passes.graph.normalize import fold_repeat_kv_pass
+from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, run_passes
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
@@ -80,7 +80,7 @@ class CompiledModel:
         if tokens not in self._packed:
             source = self.captured(tokens).graph_module
             gm = copy_graph_module(source, class_name="Packed" + type(self.model).__name__)
-            gm, records = run_passes(gm, [fold_repeat_kv_pass, rewrite_packed_attention_pass], PassContext())
+            gm, records = run_passes(gm, [*CANONICAL_PASSES, rewrite_packed_attention_pass], PassContext())
             self.records.extend(records)
             self._packed[tokens] = gm
         return self._packed[tokens]

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["CaptureError", "Captured", "capture", "capture_joint"]
+__all__ = ["CaptureError", "Captured", "capture", "capture_joint", "without_kv_cache"]
 
 
 class CaptureError(RuntimeError):
@@ -83,7 +83,7 @@ def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = N
     shadow = (any(p.device.type == "meta" for p in params)
               or (dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in params))
               or any(p.device != device for p in params))
-    with _without_kv_cache(model):
+    with without_kv_cache(model):
         if not shadow:
             record, user_out = _trace(model, args)
             gm, names = _normalise(model, record["gm"], record["inputs"], args)
@@ -98,7 +98,7 @@ def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = N
 
 
 @contextlib.contextmanager
-def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+def without_kv_cache(model: nn.Module) -> Iterator[None]:
     """A Hugging Face model (``model.config.use_cache``) traced without its inference cache: training reads
     keys and values of the whole sequence, never a cache."""
     config = getattr(model, "config", None)

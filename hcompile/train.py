@@ -10,6 +10,7 @@ and the default CPU cost model (graph analysis with a per-rank token cap).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import fx
 
 from hcompile.api import CompiledModel
+from hcompile.verify import prepare_strategy
 from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
 from passes.graph.tensor_parallel import ParamSlice, split_dims
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
@@ -36,6 +38,8 @@ from runtime.planning import DEFAULT_PLAN_TIMEOUT_S, PlanService
 from runtime.topology import Cluster, place
 
 __all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens"]
+
+log = logging.getLogger("hcompile")
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims) reads."""
@@ -81,6 +85,14 @@ class TrainOptions:
     """dtype gradients travel to their owners in (summed there in float32)."""
     plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S
     """How long a step waits for rank 0's plan before every rank raises ``PlanTimeout``."""
+    self_check: bool = True
+    """Before a strategy's first step, run each rank's lowering (tensor parallel, packed attention, pipeline
+    split) on a small random probe against the model itself, eager, and refuse the strategy with a
+    ``LoweringError`` naming every parameter whose gradient differs (``hcompile.verify``). Once per (scheme,
+    TP rank); skipped, with a warning, for models above ``self_check_max_params`` parameters (the probe holds
+    the whole model twice on every rank)."""
+    self_check_max_params: int = 1 << 28
+    """The largest model (in parameters) the self-check runs on."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -274,6 +286,12 @@ class Trainer:
                                               buckets=buckets.sizes)
         """What the planner plans with: capped at the largest capturable bucket, each micro-batch charged the
         padding up to its bucket, as the variants run it."""
+        params = sum(p.numel() for p in compiled.model.parameters())
+        self._self_check = options.self_check and params <= options.self_check_max_params
+        if options.self_check and not self._self_check and self.ctx.rank == 0:
+            log.warning("the lowering self-check is skipped: the model has %d parameters, more than "
+                        "self_check_max_params=%d (check the same architecture at a smaller size instead)",
+                        params, options.self_check_max_params)
         calibrate = options.calibrate and self.ctx.rank == 0 and self.ctx.device.type == "cpu"
         self.calibration = OnlineCalibration(self.cost_model) if calibrate else None
         """Rank 0's per-scheme correction of the cost model from measured steps (None: not calibrating)."""
@@ -282,6 +300,8 @@ class Trainer:
         self._warm: set[Strategy] = set()
         self._warm_places: set[tuple[ParallelScheme, tuple[int, ...]]] = set()
         """(scheme, ranks) of every replica of the warmed strategies: where compiled variants exist."""
+        self._checked: set[tuple[ParallelScheme, int]] = set()
+        """(scheme, TP rank) whose lowering this rank has checked."""
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
 
@@ -313,13 +333,18 @@ class Trainer:
         return all(place in self._warm_places for place in _replica_places(strategy, self.cluster))
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
-        """Compile, before the first step, every variant these strategies can need: for each strategy and
+        """Lower, check and compile, before the first step, every variant these strategies can need: for each
+        strategy, this rank's lowering is built and checked on a probe (``hcompile.verify``: a strategy that
+        cannot be lowered or computes anything else is the same ``LoweringError`` on every rank); then for each
         token bucket up to its replicas' caps, a dry-run step (forward and backward, parameters untouched)
         with one micro-batch of that bucket on every replica that can hold it (collective)."""
         sizes = self.provider.buckets.sizes
         for strategy in strategies:
             if strategy in self._warm:
                 continue
+            prepare_strategy(strategy, rank=self.ctx.rank, world_size=self.ctx.world_size, cluster=self.cluster,
+                             groups=self.executor.groups, provider=self.provider, self_check=self._self_check,
+                             checked=self._checked, vocab=self.vocab_size)
             self._warm.add(strategy)
             self._warm_places.update(_replica_places(strategy, self.cluster))
             replicas = strategy.replicas()

@@ -22,7 +22,7 @@ from torch import nn
 
 from passes.graph.tensor_parallel import ParamSlice
 
-__all__ = ["ParamSlice", "ParamSpec", "FixedLayout", "full_slice", "grad_weight", "Init"]
+__all__ = ["ParamSlice", "ParamSpec", "FixedLayout", "full_slice", "Init"]
 
 Init = Callable[[str, torch.Tensor], None]
 """Fills the full fp32 tensor of one named parameter in place; must give every rank the same values."""
@@ -31,14 +31,6 @@ Init = Callable[[str, torch.Tensor], None]
 def full_slice(name: str, shape: tuple[int, ...]) -> ParamSlice:
     """The whole parameter (what a tensor-parallel degree of 1 holds)."""
     return ParamSlice(name=name, full_shape=tuple(shape))
-
-
-def grad_weight(slc: ParamSlice, tp: int) -> float:
-    """Factor on a rank's gradient slice before summing over all ranks. A tensor-parallel rewrite leaves
-    identical gradients on every rank that holds the same elements (replicated weights on all ``tp`` ranks;
-    replicated key/value blocks on ``shared_by`` ranks), so those count once; partial gradients of one
-    weight on different pipeline stages (tied embeddings) and different replicas add up."""
-    return 1.0 / tp if slc.dim is None else 1.0 / slc.shared_by
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

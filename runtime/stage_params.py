@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from runtime.fixed_layout import FixedLayout, ParamSlice, grad_weight
+from runtime.fixed_layout import FixedLayout, ParamSlice
 
 __all__ = ["StageParams", "merge_ranges"]
 
@@ -52,9 +52,7 @@ class StageParams:
         for slc in ordered:
             numel = math.prod(slc.local_shape)
             self._views.append((slc.name, start, slc))
-            weight = grad_weight(slc, tp)
-            if weight != 1.0:
-                self.weights.append((start, numel, weight))
+            self.weights += [(start + first, count, w) for first, count, w in slc.weight_regions(tp) if w != 1.0]
             ranges.extend(layout.slice_ranges(slc))
             start += numel
         self.numel = start

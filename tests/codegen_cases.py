@@ -44,7 +44,8 @@ def make_batch(
 
 
 def dense_masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *, causal: bool, scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Naive attention over the whole packed batch with a (T x T) block-diagonal (causal) mask, in float64.
 
@@ -62,6 +63,8 @@ def dense_masked_attention(
     k64 = k.double().permute(1, 0, 2).repeat_interleave(group, dim=0)
     v64 = v.double().permute(1, 0, 2).repeat_interleave(group, dim=0)
     scores = (q64 @ k64.transpose(1, 2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (probs @ v64).permute(1, 0, 2)  # (T, heads_q, d)
 

@@ -19,8 +19,8 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _op_args(batch, kernel: str, causal: bool = True) -> tuple:
-    return (*batch.inputs(), causal, batch.q.shape[2] ** -0.5, kernel)
+def _op_args(batch, kernel: str, causal: bool = True, softcap: float | None = None) -> tuple:
+    return (*batch.inputs(), causal, batch.q.shape[2] ** -0.5, softcap, kernel)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "cpu-flash", "triton"])
@@ -33,8 +33,8 @@ def test_opcheck_forward(kernel):
 def test_opcheck_backward_op(kernel):
     batch = make_batch([5, 9], heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = (x.detach() for x in (batch.q, batch.k, batch.v))
-    out, lse = codegen.packed_attention_op(q, k, v, batch.cu_seqlens, 9, True, 0.25, kernel)
-    args = (torch.randn_like(out), q, k, v, out, lse, batch.cu_seqlens, 9, True, 0.25, kernel)
+    out, lse = codegen.packed_attention_op(q, k, v, batch.cu_seqlens, 9, True, 0.25, None, kernel)
+    args = (torch.randn_like(out), q, k, v, out, lse, batch.cu_seqlens, 9, True, 0.25, None, kernel)
     torch.library.opcheck(codegen.packed_attention_backward_op, args)
 
 

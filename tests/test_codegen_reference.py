@@ -102,3 +102,36 @@ def test_reference_honours_softmax_scale():
     out = codegen.packed_attention(*batch.inputs(), softmax_scale=0.7, kernel="reference")
     expected = dense_masked_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, causal=True, scale=0.7)
     assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["reference", "cpu-flash"])
+def test_soft_capped_scores_match_dense_attention_forward_and_backward(kernel):
+    """Gemma 2's score cap: the CPU kernels (cpu-flash falls back to the reference) against the dense oracle."""
+    batch = make_batch([7, 1, 12], heads_q=4, heads_kv=2, head_dim=16, seed=3)
+    scale = 16 ** -0.5
+    # scores of size ~3 against a cap of 2: the cap bends them hard, so a missing or wrong cap shows
+    q = (batch.q.detach() * 4).requires_grad_(True)
+    out = codegen.packed_attention(q, batch.k, batch.v, batch.cu_seqlens, batch.max_seqlen, softcap=2.0, kernel=kernel)
+    want = dense_masked_attention(q, batch.k, batch.v, batch.cu_seqlens, causal=True, scale=scale, softcap=2.0)
+    assert relative_error(out, want.float()) < 1e-5
+    uncapped = dense_masked_attention(q, batch.k, batch.v, batch.cu_seqlens, causal=True, scale=scale)
+    assert relative_error(out, uncapped.float()) > 1e-2
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, batch.k, batch.v), grad)
+    expected = torch.autograd.grad(want, (q, batch.k, batch.v), grad.double())
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert relative_error(g, e.float()) < 1e-5, name
+
+
+def test_softcapped_attention_is_sdpa_without_a_cap_and_capped_with_one():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=g) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(codegen.reference.softcapped_attention(q, k, v, is_causal=True), sdpa)
+    capped = codegen.reference.softcapped_attention(q * 4, k, v, is_causal=True, softcap=1.0)
+    scores = (1.0 * torch.tanh((q * 4) @ k.transpose(-2, -1) / 8 ** 0.5)).masked_fill(
+        ~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(capped, torch.softmax(scores, -1) @ v)
+    with pytest.raises(ValueError, match="softcap must be a positive number or None"):
+        codegen.packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                 torch.tensor([0, 6], dtype=torch.int32), 6, softcap=0.0)

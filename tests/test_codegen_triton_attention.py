@@ -24,20 +24,21 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _run(batch: PackedBatch, kernel: str, causal: bool, grad_out: torch.Tensor | None):
-    out = codegen.packed_attention(*batch.inputs(), causal=causal, kernel=kernel)
+def _run(batch: PackedBatch, kernel: str, causal: bool, grad_out: torch.Tensor | None, softcap: float | None = None):
+    out = codegen.packed_attention(*batch.inputs(), causal=causal, softcap=softcap, kernel=kernel)
     grads = torch.autograd.grad(out, (batch.q, batch.k, batch.v), grad_out) if grad_out is not None else ()
     return out, grads
 
 
-def _assert_triton_matches_reference(batch: PackedBatch, causal: bool, backward: bool = True) -> None:
+def _assert_triton_matches_reference(batch: PackedBatch, causal: bool, backward: bool = True,
+                                     softcap: float | None = None) -> None:
     tolerance = TOLERANCE[batch.q.dtype]
     grad_out = None
     if backward:
         generator = torch.Generator().manual_seed(1)
         grad_out = torch.randn(batch.q.shape, generator=generator).to(batch.q.dtype)
-    out, grads = _run(batch, "triton", causal, grad_out)
-    ref_out, ref_grads = _run(batch, "reference", causal, grad_out)
+    out, grads = _run(batch, "triton", causal, grad_out, softcap)
+    ref_out, ref_grads = _run(batch, "reference", causal, grad_out, softcap)
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     assert relative_error(out, ref_out) < tolerance, "forward"
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
@@ -121,3 +122,11 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     batch = make_batch([4], heads_q=2, heads_kv=2, head_dim=16)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         codegen.packed_attention(*batch.inputs(), kernel="triton")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_soft_capped_scores_forward_and_backward(causal):
+    """Gemma 2's score cap inside the kernels (scores ~4x the cap, so the cap's derivative matters)."""
+    batch = make_batch([5, 0, 19, 2], heads_q=4, heads_kv=2, head_dim=16, seed=7)
+    batch.q.data.mul_(6)
+    _assert_triton_matches_reference(batch, causal, softcap=1.5)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from codegen.reference import softcapped_attention
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost
 
@@ -53,7 +54,9 @@ class OpClass(enum.Enum):
     OTHER = "other"
 
 
-SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention, softcapped_attention)
+"""Attention calls in SDPA form (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa): SDPA itself and
+the soft-capped attention that ``fold_eager_attention_pass`` makes of an eager one."""
 _LINEAR = (F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm)
 _NORM = (F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm)
 _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "unsqueeze", "squeeze", "split",

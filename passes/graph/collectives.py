@@ -1,6 +1,6 @@
 """Autograd-aware tensor-parallel collectives as ``torch.library`` custom ops (opaque to torch.compile).
 
-Owns the three communication points the tensor-parallel rewrite inserts, each named by its process
+Owns the communication points the tensor-parallel rewrite inserts, each named by its process
 group's ``group_name`` so that the graph stays printable and compilable:
 
 - ``tp_all_reduce``: forward all-reduce (sum), backward identity (after a row-parallel linear);
@@ -10,7 +10,8 @@ group's ``group_name`` so that the graph stays printable and compilable:
 - ``tp_all_gather``: forward concatenation of every rank's block along a dim, backward this rank's block
   (after a vocab-parallel LM head);
 
-and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows.
+and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows; :func:`all_reduce_tensor`,
+a plain (not autograd) sum or max over a named group.
 """
 
 from __future__ import annotations
@@ -21,20 +22,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather", "vocab_parallel_embedding",
-           "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER"]
+__all__ = ["all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather",
+           "vocab_parallel_embedding", "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER"]
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce_tensor(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """A new tensor: ``x`` reduced (``sum`` or ``max``) over the process group named ``group`` (no autograd)."""
     out = x.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group))
+    dist.all_reduce(out, op=_OPS[op], group=_resolve_process_group(group))
     return out
 
 
 @torch.library.custom_op("hydraulis::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group; the gradient passes through unchanged."""
-    return _all_reduce(x, group)
+    return all_reduce_tensor(x, group)
 
 
 @tp_all_reduce.register_fake
@@ -89,7 +94,7 @@ def _setup_share(ctx: Any, inputs: tuple, output: Any) -> None:
 def _share_grad(ctx: Any, grad: torch.Tensor) -> tuple:
     buf = grad.new_zeros((ctx.parts, *grad.shape))  # one row per distinct slice; ranks add into their own
     buf[ctx.index] = grad
-    return _all_reduce(buf, ctx.group)[ctx.index], None, None, None
+    return all_reduce_tensor(buf, ctx.group)[ctx.index], None, None, None
 
 
 tp_grad_share.register_autograd(_share_grad, setup_context=_setup_share)

@@ -1,7 +1,21 @@
-"""Canonical attention: graph rewrites that put what models write in several ways into one form the other
-passes understand.
+"""Canonical forms: graph rewrites that put what models write in several ways into one form the other passes
+understand.
 
-Owns ``fold_repeat_kv_pass``. Grouped-query attention written the Hugging Face way repeats each key/value head
+Owns four passes, run before tensor parallelism:
+
+- ``fold_eager_attention_pass``: attention written out (``softmax(q @ k.transpose(-2, -1) * scale + mask)
+  @ v``, optionally with Gemma 2's score cap ``c * tanh(s / c)`` before the mask, optionally a dropout of 0)
+  becomes one SDPA call (``codegen.reference.softcapped_attention`` when capped), which the packed-attention
+  pass knows;
+- ``fold_transposed_matmul_pass``: a linear written as a matmul with a transposed parameter (``x @ w.T``,
+  ``torch.matmul(x, w.t())``, ``x.matmul(w.transpose(0, 1))``), plus a bias parameter added right after, becomes
+  ``F.linear(x, w, b)``;
+- ``fold_fused_slices_pass``: the pieces of a fused projection taken other than by one ``split``: ``chunk``
+  becomes ``split``; contiguous slices of the last dim that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``,
+  ...) become one ``split`` and its items;
+- ``fold_repeat_kv_pass`` (below).
+
+``fold_repeat_kv_pass``. Grouped-query attention written the Hugging Face way repeats each key/value head
 for its group of query heads before calling SDPA::
 
     k[:, :, None, :, :].expand(B, kv, n_rep, T, D).reshape(B, kv * n_rep, T, D)   # repeat_kv
@@ -13,14 +27,20 @@ fewer kv heads directly.
 
 from __future__ import annotations
 
+import math
 import operator
+from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import fx
 
+from codegen.reference import softcapped_attention
 from passes.graph.analyze import SDPA_TARGETS
 from passes.graph.pass_runner import PassContext, PassResult
 
-__all__ = ["fold_repeat_kv_pass", "unrepeated_kv"]
+__all__ = ["CANONICAL_PASSES", "fold_repeat_kv_pass", "fold_transposed_matmul_pass", "fold_fused_slices_pass",
+           "fold_eager_attention_pass", "unrepeated_kv"]
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
@@ -70,3 +90,254 @@ def fold_repeat_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(graph_module=gm, modified=True, info={"folded": folded})
+
+
+_MATMUL_FUNCTIONS = (operator.matmul, torch.matmul)
+_TRANSPOSES = {("call_method", "t"), ("call_function", torch.t)}
+
+
+def _param(gm: fx.GraphModule, node: Any) -> bool:
+    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
+        return False
+    try:
+        gm.get_parameter(node.target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _transposed_param(gm: fx.GraphModule, node: Any) -> fx.Node | None:
+    """The 2-D parameter ``w`` when ``node`` is ``w.T``, ``w.t()``, ``w.mT`` or ``w.transpose(0, 1)``."""
+    if not isinstance(node, fx.Node) or not node.args or not _param(gm, node.args[0]):
+        return None
+    w = node.args[0]
+    if w.meta["val"].dim() != 2:
+        return None
+    if (node.op, node.target) in _TRANSPOSES:
+        return w
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        return w
+    if (node.op == "call_method" and node.target == "transpose" or node.target is torch.transpose) and \
+            sorted(d % 2 for d in node.args[1:3]) == [0, 1]:
+        return w
+    if node.op == "call_method" and node.target == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
+        return w
+    return None
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or \
+        (node.op == "call_method" and node.target == "matmul")
+
+
+def _bias_of(gm: fx.GraphModule, linear: fx.Node, out_features: int) -> tuple[fx.Node, fx.Node] | None:
+    """(the add, the bias parameter) when the linear's only user adds a (out_features,) parameter to it."""
+    if len(linear.users) != 1:
+        return None
+    add = next(iter(linear.users))
+    if not ((add.op == "call_function" and add.target in (operator.add, torch.add))
+            or (add.op == "call_method" and add.target == "add")) or len(add.args) != 2 or add.kwargs:
+        return None
+    other = add.args[1] if add.args[0] is linear else add.args[0]
+    if _param(gm, other) and tuple(other.meta["val"].shape) == (out_features,):
+        return add, other
+    return None
+
+
+def fold_transposed_matmul_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """``x @ w.T (+ b)`` with parameters ``w`` (out, in) and ``b`` (out,) -> ``F.linear(x, w, b)``."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if not _is_matmul(node) or len(node.args) != 2:
+            continue
+        w = _transposed_param(gm, node.args[1])
+        if w is None:
+            continue
+        bias = _bias_of(gm, node, int(w.meta["val"].shape[0]))
+        with gm.graph.inserting_after(node):
+            linear = gm.graph.call_function(torch.nn.functional.linear, (node.args[0], w, bias[1] if bias else None))
+        linear.meta.update(node.meta)
+        last = bias[0] if bias else node
+        if bias:
+            linear.meta["val"] = last.meta.get("val")
+        last.replace_all_uses_with(linear)
+        folded += 1
+    if not folded:
+        return PassResult(graph_module=gm, modified=False)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
+
+
+def _last_dim_slice(node: fx.Node, source: fx.Node) -> tuple[int, int] | None:
+    """(start, stop) when ``node`` is ``source[..., a:b]`` (every other dim whole, step 1)."""
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args[0] is source):
+        return None
+    shape = source.meta["val"].shape
+    items = list(node.args[1]) if isinstance(node.args[1], tuple) else [node.args[1]]
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (len(shape) - len(items) + 1) + items[k + 1:]
+    if len(items) != len(shape) or any(not isinstance(i, slice) for i in items) or \
+            any(i != slice(None) for i in items[:-1]):
+        return None
+    start, stop, step = items[-1].indices(int(shape[-1]))
+    return (start, stop) if step == 1 and stop > start else None
+
+
+def _tiling_slices(source: fx.Node) -> list[tuple[int, int, fx.Node]] | None:
+    """Every user of ``source`` as (start, stop, user), when they are last-dim slices tiling it exactly."""
+    cuts = []
+    for user in source.users:
+        span = _last_dim_slice(user, source)
+        if span is None:
+            return None
+        cuts.append((*span, user))
+    cuts.sort(key=lambda c: c[:2])
+    ends = [0] + [c[1] for c in cuts]
+    if len(cuts) < 2 or any(c[0] != e for c, e in zip(cuts, ends)) or ends[-1] != int(source.meta["val"].shape[-1]):
+        return None
+    return cuts
+
+
+def _chunk_to_split(gm: fx.GraphModule, node: fx.Node) -> bool:
+    is_chunk = (node.op == "call_method" and node.target == "chunk") or \
+        (node.op == "call_function" and node.target is torch.chunk)
+    if not is_chunk:
+        return False
+    src, chunks = node.args[0], node.kwargs.get("chunks", node.args[1] if len(node.args) > 1 else None)
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    size = int(src.meta["val"].shape[dim])
+    with gm.graph.inserting_before(node):
+        split = gm.graph.call_method("split", (src, math.ceil(size / chunks)), {"dim": dim})
+    split.meta.update(node.meta)
+    node.replace_all_uses_with(split)
+    gm.graph.erase_node(node)
+    return True
+
+
+def fold_fused_slices_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """``chunk`` -> ``split``; last-dim slices that tile a tensor -> one ``split`` and its items (the form the
+    tensor-parallel pass splits a fused projection by)."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if _chunk_to_split(gm, node):
+            folded += 1
+            continue
+        cuts = _tiling_slices(node) if isinstance(node.meta.get("val"), torch.Tensor) else None
+        if cuts is None:
+            continue
+        with gm.graph.inserting_after(node):
+            split = gm.graph.call_method("split", (node, [b - a for a, b, _ in cuts]), {"dim": -1})
+        split.meta["val"] = tuple(user.meta["val"] for _, _, user in cuts)
+        for i, (_, _, user) in enumerate(cuts):
+            with gm.graph.inserting_after(split):
+                item = gm.graph.call_function(operator.getitem, (split, i))
+            item.meta.update(user.meta)
+            user.replace_all_uses_with(item)
+            gm.graph.erase_node(user)
+        folded += 1
+    if not folded:
+        return PassResult(graph_module=gm, modified=False)
+    gm.graph.lint()
+    gm.recompile()
+    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
+
+
+_SOFTMAX = (F.softmax, torch.softmax)
+_SCALE_OPS = {operator.mul, operator.truediv, torch.mul, torch.div}
+
+
+def _is_call(node: Any, functions: tuple = (), methods: tuple = ()) -> bool:
+    return isinstance(node, fx.Node) and ((node.op == "call_function" and node.target in functions)
+                                          or (node.op == "call_method" and node.target in methods))
+
+
+def _scalar_operand(node: fx.Node) -> tuple[fx.Node, float, bool] | None:
+    """(tensor, number, divides) when ``node`` multiplies or divides a tensor by a Python number."""
+    if not _is_call(node, tuple(_SCALE_OPS), ("mul", "div")) or len(node.args) != 2:
+        return None
+    a, b = node.args
+    divides = node.target in (operator.truediv, torch.div, "div")
+    if isinstance(a, fx.Node) and isinstance(b, (int, float)):
+        return a, float(b), divides
+    if isinstance(b, fx.Node) and isinstance(a, (int, float)) and not divides:
+        return b, float(a), False
+    return None
+
+
+def _scores_source(scores: fx.Node) -> tuple[fx.Node, fx.Node, float, float, fx.Node | None] | None:
+    """Walk back from the softmax input: (q, k, scale, softcap, mask) when it is ``q @ k^T`` times a
+    scale, optionally capped, plus an optional additive mask; else None."""
+    mask = None
+    if _is_call(scores, (operator.add, torch.add), ("add",)) and len(scores.args) == 2:
+        scores, mask = scores.args
+    softcap = 0.0
+    capped = _scalar_operand(scores)  # softcap * tanh(s / softcap)
+    if capped and not capped[2] and _is_call(capped[0], (torch.tanh,), ("tanh",)):
+        inner = _scalar_operand(capped[0].args[0])
+        if inner and inner[2] and inner[1] == capped[1]:
+            softcap, scores = capped[1], inner[0]
+    scale = 1.0
+    scaled = _scalar_operand(scores)
+    if scaled:
+        scores, scale = scaled[0], (1.0 / scaled[1] if scaled[2] else scaled[1])
+    if not _is_call(scores, (torch.matmul, operator.matmul), ("matmul",)) or len(scores.args) != 2:
+        return None
+    q, kt = scores.args
+    if not _is_call(kt, (torch.transpose,), ("transpose",)) or \
+            sorted(d % 4 for d in kt.args[1:3]) != [2, 3] or q.meta["val"].dim() != 4:
+        return None
+    return q, kt.args[0], scale, softcap, mask
+
+
+def _probs_consumer(softmax: fx.Node) -> tuple[fx.Node, float] | None:
+    """(``probs @ v``, dropout p) after a softmax, through a dtype cast and a dropout."""
+    node, dropout = softmax, 0.0
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if _is_call(user, (), ("to", "type_as", "float")):
+            node = user
+        elif _is_call(user, (F.dropout,)):
+            dropout = user.kwargs.get("p", user.args[1] if len(user.args) > 1 else 0.5)
+            training = user.kwargs.get("training", user.args[2] if len(user.args) > 2 else True)
+            dropout, node = (dropout if training else 0.0), user
+        elif _is_call(user, (torch.matmul, operator.matmul), ("matmul",)) and user.args[0] is node:
+            return user, dropout
+        else:
+            return None
+    return None
+
+
+def fold_eager_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """``softmax(q @ k^T * scale [capped] [+ mask]) [dropout] @ v`` -> one SDPA-form attention call."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if not _is_call(node, _SOFTMAX, ("softmax",)):
+            continue
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        source = _scores_source(node.args[0])
+        consumer = _probs_consumer(node)
+        if dim not in (-1, 3) or source is None or consumer is None:
+            continue
+        q, k, scale, softcap, mask = source
+        out, dropout = consumer
+        v = out.args[1]
+        kwargs = {"attn_mask": mask, "dropout_p": float(dropout), "is_causal": False, "scale": scale}
+        target = F.scaled_dot_product_attention
+        if softcap:
+            target, kwargs = softcapped_attention, {**kwargs, "softcap": softcap}
+        with gm.graph.inserting_before(out):
+            attention = gm.graph.call_function(target, (q, k, v), kwargs)
+        attention.meta.update(out.meta)
+        out.replace_all_uses_with(attention)
+        folded += 1
+    if not folded:
+        return PassResult(graph_module=gm, modified=False)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
+
+
+CANONICAL_PASSES = (fold_transposed_matmul_pass, fold_fused_slices_pass, fold_eager_attention_pass, fold_repeat_kv_pass)
+"""The canonical-form passes, in the order the lowering runs them."""

@@ -2,7 +2,8 @@
 
 Owns ``rewrite_packed_attention_pass``. On a graph captured with input (1, T):
 
-- every causal ``scaled_dot_product_attention(q, k, v)`` with q (1, H, T, D) becomes
+- every causal ``scaled_dot_product_attention(q, k, v)`` (or ``codegen.reference.softcapped_attention``, whose
+  score cap the op takes) with q (1, H, T, D) becomes
   ``codegen.packed_attention(q', k', v', cu_seqlens, max_seqlen)`` with q' (T, H, D), so no token attends
   across a sequence boundary (grouped-query attention passes through: the op takes fewer kv heads);
 - every position construction ``torch.arange(T)`` becomes :func:`packed_positions` (each token's index
@@ -228,10 +229,12 @@ def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
 def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, kernel: str) -> None:
     q, k, v = node.args[:3]
     scale = _sdpa_arg(node, "scale")
+    softcap = node.kwargs.get("softcap") or None  # codegen.reference.softcapped_attention's cap
     with graph.inserting_before(node):
         q3, k3, v3 = (_to_packed(graph, x) for x in (q, k, v))
         out = graph.call_function(codegen.packed_attention, (q3, k3, v3, cu_seqlens, max_seqlen),
-                                  {"causal": True, "softmax_scale": scale, "kernel": kernel})
+                                  {"causal": True, "softmax_scale": scale, "kernel": kernel,
+                                   **({"softcap": softcap} if softcap else {})})
         out4 = graph.call_method("unsqueeze", (graph.call_method("transpose", (out, 0, 1)), 0))  # (T,H,D)->(1,H,T,D)
     out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     node.replace_all_uses_with(out4)

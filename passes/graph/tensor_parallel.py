@@ -21,6 +21,8 @@ parameter, which slice of the full tensor it expects.
 from __future__ import annotations
 
 import enum
+import math
+import operator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -31,7 +33,7 @@ from torch import fx, nn
 from passes.graph.analyze import OpClass, attention_sites, classify_node
 from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
 from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
-from passes.graph.sharding import Shard, propagate_node, where
+from passes.graph.sharding import Shard, block_index, propagate_node, where
 
 __all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "split_dims",
            "shard_tensor_parallel_pass"]
@@ -63,12 +65,18 @@ class ParamSlice:
     """(start, stop) blocks of ``dim``, concatenated in order."""
     shared_by: int = 1
     """How many ranks hold this same slice (replicated kv heads); their gradients are summed."""
+    range_shares: tuple[int, ...] = ()
+    """Per range, how many ranks hold it, when that differs between ranges (a fused projection whose query
+    rows are split and whose key/value rows are replicated); empty: ``shared_by`` for every range."""
 
     def __post_init__(self) -> None:
         if self.dim is not None:
             size = self.full_shape[self.dim]
             if not self.ranges or any(not 0 <= a < b <= size for a, b in self.ranges):
                 raise PassError(f"slice of {self.name!r}: bad ranges {self.ranges!r} for dim of size {size}")
+        if self.range_shares and len(self.range_shares) != len(self.ranges):
+            raise PassError(f"slice of {self.name!r}: {len(self.range_shares)} range shares for "
+                            f"{len(self.ranges)} ranges")
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -78,6 +86,35 @@ class ParamSlice:
         shape = list(self.full_shape)
         shape[self.dim] = sum(b - a for a, b in self.ranges)
         return tuple(shape)
+
+    def shares(self) -> tuple[int, ...]:
+        """Per range, how many ranks of the group hold it with identical gradients."""
+        return self.range_shares or (self.shared_by,) * len(self.ranges)
+
+    def range_weights(self, tp: int) -> tuple[float, ...]:
+        """Per range (one entry when replicated): the factor on a rank's gradient of it before the gradients
+        of all ranks are summed. The rewrite leaves identical gradients on every rank that holds the same
+        elements (a replicated parameter on all ``tp`` ranks of the group; replicated key/value rows on the
+        ranks that share them), so those count once; partial gradients of one parameter on different
+        pipeline stages (tied embeddings) and on different replicas add up."""
+        return (1.0 / tp,) if self.dim is None else tuple(1.0 / s for s in self.shares())
+
+    def weight_regions(self, tp: int) -> list[tuple[int, int, float]]:
+        """(first element, elements, factor) of the slice's gradient stored with ``dim`` outermost (the fixed
+        layout's order), touching regions of one factor joined."""
+        numel = math.prod(self.local_shape)
+        if self.dim is None:
+            return [(0, numel, 1.0 / tp)]
+        inner = numel // self.local_shape[self.dim]
+        regions: list[tuple[int, int, float]] = []
+        offset = 0
+        for (a, b), w in zip(self.ranges, self.range_weights(tp)):
+            if regions and regions[-1][2] == w:
+                regions[-1] = (regions[-1][0], regions[-1][1] + (b - a) * inner, w)
+            else:
+                regions.append((offset * inner, (b - a) * inner, w))
+            offset += b - a
+        return regions
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``full`` (a new tensor when split)."""
@@ -92,7 +129,9 @@ class ParamSlice:
         if self.dim is None:
             return f"{self.name}[replicated]"
         blocks = ",".join(f"{a}:{b}" for a, b in self.ranges)
-        shared = f" shared by {self.shared_by}" if self.shared_by > 1 else ""
+        shares = self.shares()
+        shared = ("" if max(shares) == 1 else f" shared by {shares[0]}" if len(set(shares)) == 1
+                  else f" shared by {','.join(map(str, shares))}")
         return f"{self.name}[{blocks} of dim {self.dim}{shared}]"
 
 
@@ -166,7 +205,7 @@ def _linear_input(node: fx.Node) -> Any:
     return node.args[_linear_args(node).x_pos]
 
 
-_SHAPE_METHODS = ("view", "reshape")
+_SHAPE_METHODS = ("view", "reshape", "unsqueeze", "contiguous")
 
 
 def _last_dim(node: Any) -> int | None:
@@ -175,7 +214,7 @@ def _last_dim(node: Any) -> int | None:
 
 
 def _keeps_last_dim(view: fx.Node) -> bool:
-    """A view or reshape whose output has its input's last dim."""
+    """A view, reshape, unsqueeze or contiguous whose output has its input's last dim."""
     return (view.op == "call_method" and view.target in _SHAPE_METHODS and isinstance(view.args[0], fx.Node)
             and _last_dim(view) is not None and _last_dim(view) == _last_dim(view.args[0]))
 
@@ -285,9 +324,6 @@ def _chunks(node: fx.Node, tp: int, rank: int, kv_parts: dict[str, int]) -> tupl
             raise PassError(f"tensor parallel: {where(node)} has an output chunk of {size} features, "
                             f"not divisible into {parts} parts")
         chunks.append(_Chunk(size=size, parts=parts, index=rank * parts // tp))
-    if len(chunks) > 1 and any(c.parts != tp for c in chunks):
-        raise PassError(f"tensor parallel: {where(node)} is a fused projection with replicated kv heads; "
-                        "use separate k/v projections or kv heads divisible by tp")
     return tuple(chunks)
 
 
@@ -323,12 +359,13 @@ def _linear_slices(node: fx.Node, role: LinearRole, tp: int, rank: int, kv_parts
     new: dict[str, ParamSlice] = {}
     if role is LinearRole.COLUMN:
         chunks[node.name] = c = _chunks(node, tp, rank, kv_parts)
-        shared = tp // c[0].parts
+        shares = tuple(tp // chunk.parts for chunk in c)  # a fused projection may replicate only its kv rows
+        sharing = dict(shared_by=shares[0]) if len(set(shares)) == 1 else dict(range_shares=shares)
         new[weight] = ParamSlice(name=weight, full_shape=shape, dim=lin.out_dim, ranges=_column_ranges(c),
-                                 shared_by=shared)
+                                 **sharing)
         if bias:
             new[bias] = ParamSlice(name=bias, full_shape=(shape[lin.out_dim],), dim=0, ranges=_column_ranges(c),
-                                   shared_by=shared)
+                                   **sharing)
     elif role is LinearRole.ROW:
         new[weight] = _block(weight, shape, 1 - lin.out_dim, tp, rank, node)
     elif role is LinearRole.VOCAB:
@@ -409,7 +446,9 @@ class _Rewriter:
         self.env: dict[fx.Node, fx.Node] = {}
         self.specs: dict[fx.Node, Any] = {}
         self.copies: dict[fx.Node, fx.Node] = {}
+        """Per replicated value: its ``tp_copy`` (forward identity, gradient summed over the group)."""
         self.sharded_params: set[fx.Node] = set()
+        self.grad_flow: dict[fx.Node, bool] = {}
 
     def new(self, op: str, target: Any, args: tuple, kwargs: dict | None = None,
             like: fx.Node | None = None) -> fx.Node:
@@ -447,10 +486,58 @@ class _Rewriter:
             return self.linear(node)
         if classify_node(node) is OpClass.ATTENTION:
             return self.attention(node)
-        spec, args, kwargs = propagate_node(node, self.specs, node.args,
-                                            lambda n: self.plan.local_chunks(_view_source(n).name))
-        self.specs[node] = spec
-        return self.new(node.op, node.target, args, kwargs, like=node)
+        prop = propagate_node(node, self.specs, node.args, lambda n: self.plan.local_chunks(_view_source(n).name))
+        self.specs[node] = prop.spec
+        new = self.new(node.op, node.target, prop.args, prop.kwargs, like=node)
+        if prop.spec is not None or prop.reduce:
+            self.reduce_replicated_grads(node, new)
+        for operand, dim, frac in prop.narrow:
+            self.narrow_operand(new, operand, dim, frac)
+        return self.all_reduce(node, new, prop.reduce) if prop.reduce else new
+
+    def narrow_operand(self, new: fx.Node, operand: fx.Node, dim: int, frac: Fraction) -> None:
+        """Cut a replicated operand (already routed through ``tp_copy`` when it needs a gradient) to this
+        rank's block of ``dim`` where ``new`` reads it."""
+        size = int(operand.meta["val"].shape[dim])
+        width = int(size * frac)
+        start = block_index(frac, self.plan.tp, self.plan.rank) * width
+        source = next(a for a in new.all_input_nodes if a in (self.env[operand], self.copies.get(operand)))
+        with self.graph.inserting_before(new):
+            cut = self.graph.call_method("narrow", (source, dim, start, width))
+        new.replace_input_with(source, cut)
+
+    def all_reduce(self, node: fx.Node, new: fx.Node, kind: str) -> fx.Node:
+        """A local sum or mean over the sharded dim, completed over the group: a mean over equal blocks is the
+        mean of the ranks' means; a sum counts each block once (a block held by several ranks, as replicated
+        kv heads are, is divided by their number)."""
+        copies = self.specs[node.args[0]].frac * self.plan.tp  # ranks holding each block (replicated kv heads)
+        reduced = self.graph.call_function(TP_ALL_REDUCE, (new, self.group))
+        divisor = self.plan.tp if kind == "mean" else copies
+        return reduced if divisor == 1 else self.graph.call_function(torch.div, (reduced, int(divisor)))
+
+    def reduce_replicated_grads(self, node: fx.Node, new: fx.Node) -> None:
+        """A replicated operand that meets a split one (a per-head norm weight times head-split queries) gets
+        only its own heads' part of the gradient on each rank: route it through ``tp_copy`` so the gradient is
+        summed over the group, as every replicated value's gradient must be (identical on every rank)."""
+        for a in node.all_input_nodes:
+            if self.specs.get(a) is not None or not self.needs_grad(a):
+                continue
+            if a not in self.copies:
+                with self.graph.inserting_before(new):
+                    self.copies[a] = self.graph.call_function(TP_COPY, (self.env[a], self.group))
+            new.replace_input_with(self.env[a], self.copies[a])
+
+    def needs_grad(self, node: fx.Node) -> bool:
+        """Whether a floating-point value depends on a trainable parameter (its gradient is wanted)."""
+        if node not in self.grad_flow:
+            val = node.meta.get("val")
+            floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+            if node.op == "get_attr":
+                self.grad_flow[node] = floating and _is_param(self.gm, node.target) and \
+                    self.gm.get_parameter(node.target).requires_grad
+            else:
+                self.grad_flow[node] = floating and any(self.needs_grad(a) for a in node.all_input_nodes)
+        return self.grad_flow[node]
 
     def get_attr(self, node: fx.Node) -> fx.Node:
         full = self.gm.get_parameter(node.target) if _is_param(self.gm, node.target) else None
@@ -462,10 +549,20 @@ class _Rewriter:
         new = self.new("get_attr", node.target, (), like=node)
         if sl.dim is not None:
             self.sharded_params.add(node)
-        if sl.shared_by > 1:
-            index = self.plan.rank // sl.shared_by
-            new = self.graph.call_function(TP_GRAD_SHARE, (new, self.group, self.plan.tp // sl.shared_by, index))
+        shares = sl.shares() if sl.dim is not None else ()
+        if len(set(shares)) == 1 and shares[0] > 1:
+            return self.grad_share(new, shares[0])
+        if any(share > 1 for share in shares):  # only some rows replicated: share those blocks' gradients
+            pieces = self.graph.call_method("split", (new, [b - a for a, b in sl.ranges], sl.dim))
+            blocks = [self.graph.call_function(operator.getitem, (pieces, i)) for i in range(len(shares))]
+            blocks = [self.grad_share(b, share) if share > 1 else b for b, share in zip(blocks, shares)]
+            new = self.graph.call_function(torch.cat, (blocks, sl.dim))
         return new
+
+    def grad_share(self, value: fx.Node, share: int) -> fx.Node:
+        """``value`` (held alike by ``share`` ranks) with its gradient summed over those ranks."""
+        return self.graph.call_function(TP_GRAD_SHARE, (value, self.group, self.plan.tp // share,
+                                                        self.plan.rank // share))
 
     def linear(self, node: fx.Node) -> fx.Node:
         role = self.plan.role(node.name)
@@ -514,7 +611,8 @@ class _Rewriter:
     def attention(self, node: fx.Node) -> fx.Node:
         head_axis = 1
         specs = [self.specs.get(a) for a in node.args[:3]]
-        if any(s is None or s.dim != head_axis for s in specs):
+        # k and v of one kv head replicated on every rank (multi-query) are whole: frac 1 on whatever dim
+        if any(s is None or (s.dim != head_axis and s.frac != 1) for s in specs):
             raise PassError(f"tensor parallel: {where(node)} expects q, k, v split by heads, got {specs}")
         self.specs[node] = specs[0]
         return self.new(node.op, node.target, node.args, node.kwargs, like=node)

@@ -15,15 +15,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from passes.graph.normalize import fold_repeat_kv_pass
+from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, run_passes
 from passes.graph.pipeline_split import split_pipeline_pass
 from passes.graph.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
 from passes.plan.ir import ParallelScheme
 
-__all__ = ["TokenBuckets", "VariantKey", "Variant", "build_variant", "CompileCounter", "pad_to_bucket",
-           "retarget_devices"]
+__all__ = ["TokenBuckets", "VariantKey", "Variant", "Lowered", "lower_graph", "build_variant", "CompileCounter",
+           "pad_to_bucket", "retarget_devices", "LOWERING_PASSES"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,28 +214,55 @@ def _stage_of(gm: fx.GraphModule, records: tuple[PassRecord, ...], stage: int) -
             spec.boundary_out)
 
 
+LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass)
+"""What turns a captured forward into one rank's replica program, in order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lowered:
+    """A captured forward rewritten for one rank of a scheme: every stage (composed when pp > 1)."""
+
+    graph_module: fx.GraphModule
+    """The rank's program over all stages: ``stage_0 -> stage_1 -> ...`` when pp > 1; inputs (input_ids (1, T),
+    cu_seqlens, max_seqlen)."""
+    params: tuple[ParamSlice, ...]
+    """Every parameter the program reads, with this rank's slice."""
+    records: tuple[PassRecord, ...]
+    """What each pass did."""
+
+
+def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0, tp_group: str | None = None,
+                attention_kernel: str = "auto", vocab_parallel: bool = False) -> Lowered:
+    """Run the lowering passes (canonical linears, fused projections and grouped-query attention; tensor parallel,
+    packed attention, pipeline split) on a copy of
+    ``captured`` for TP rank ``tp_rank`` of ``scheme``."""
+    # The pipeline cut is costed at one sequence length for every bucket: every node's cost then scales with
+    # the bucket alike, so all buckets of a stage cut at the same place and read the same parameters.
+    ctx = PassContext(scheme=scheme, tp_rank=tp_rank, tp_group=tp_group,
+                      options={"packed_attention.kernel": attention_kernel,
+                               "tensor_parallel.vocab_parallel": vocab_parallel,
+                               "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
+    gm, records = run_passes(copy_graph_module(captured), LOWERING_PASSES, ctx)
+    tp = next((r.info["plan"] for r in records if r.name == "shard_tensor_parallel_pass" and r.modified), None)
+    return Lowered(graph_module=gm, params=tp.params if tp else _replicated(captured), records=records)
+
+
 def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0, tp_group: str | None = None,
                   output_index: int = 0, compile_backend: str = "eager", attention_kernel: str = "auto",
                   vocab_parallel: bool = False) -> Variant:
-    """Run tensor parallel, packed attention and pipeline split on a graph captured at ``key.bucket`` tokens
-    (input (1, bucket)), keep stage ``key.stage`` and compile it once. ``vocab_parallel``: split the token
+    """Lower a graph captured at ``key.bucket`` tokens (input (1, bucket)) for ``key.scheme``
+    (:func:`lower_graph`), keep stage ``key.stage`` and compile it once. ``vocab_parallel``: split the token
     embedding and LM head by vocabulary rows when tp > 1."""
     ids_val = next(n for n in captured.graph.nodes if n.op == "placeholder").meta.get("val")
     if ids_val is None or tuple(ids_val.shape) != (1, key.bucket):
         raise ValueError(f"variant {key.describe()} needs a graph captured on input (1, {key.bucket}), got "
                          f"{None if ids_val is None else tuple(ids_val.shape)}")
-    # The pipeline cut is costed at one sequence length for every bucket: every node's cost then scales with
-    # the bucket alike, so all buckets of a stage cut at the same place and read the same parameters.
-    ctx = PassContext(scheme=key.scheme, tp_rank=tp_rank, tp_group=tp_group,
-                      options={"packed_attention.kernel": attention_kernel,
-                               "tensor_parallel.vocab_parallel": vocab_parallel,
-                               "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
-    passes = [fold_repeat_kv_pass, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass]
-    gm, records = run_passes(copy_graph_module(captured), passes, ctx)
-    stage_gm, inputs, boundary_in, boundary_out = _stage_of(gm, records, key.stage)
-    tp = next((r.info["plan"] for r in records if r.name == "shard_tensor_parallel_pass" and r.modified), None)
+    lowered = lower_graph(captured, key.scheme, tp_rank=tp_rank, tp_group=tp_group,
+                          attention_kernel=attention_kernel, vocab_parallel=vocab_parallel)
+    records = lowered.records
+    stage_gm, inputs, boundary_in, boundary_out = _stage_of(lowered.graph_module, records, key.stage)
     read = {n.target for n in stage_gm.graph.nodes if n.op == "get_attr"}
-    params = tuple(sl for sl in (tp.params if tp else _replicated(captured)) if sl.name in read)
+    params = tuple(sl for sl in lowered.params if sl.name in read)
     if boundary_out is None:
         boundary_out = tuple(a.name for a in next(n for n in stage_gm.graph.nodes if n.op == "output").all_input_nodes)
     counter = CompileCounter(compile_backend)

@@ -1,0 +1,254 @@
+"""The lowering self-check: a rank's lowered program computes what the model computes, or it is refused.
+
+Owns :func:`check_lowering`, :class:`LoweringReport` and :class:`LoweringError`. A lowering (repeat_kv
+folding, tensor parallel, packed attention, pipeline split: ``passes.graph.variant.lower_graph``) is run, on
+every rank of one tensor-parallel group, on a small random probe: a few whole sequences packed into one token
+bucket (with the padding the runtime adds), every parameter a random value drawn from its name. The same
+sequences go, one at a time and unpacked, through a reference the caller gives (the user's own model, eager).
+Compared:
+
+- the logits of every real token;
+- the gradient of every parameter under a random projection of the logits, each rank's gradient slice
+  weighted as the runtime weights it before the owners sum it (``ParamSlice.grad_weight``), scattered into a
+  tensor of the full shape and summed over the group: exactly what training would add up.
+
+Differences above a tolerance (relative to the tensor, and to the gradients' overall size, so a gradient that
+is zero in exact arithmetic does not fail on rounding) are reported by parameter name. Dropout is set to 0
+for the probe (the reference must run without it too). The probe's collectives run on the TP group only, so
+all groups of a strategy check at once; every rank of a group reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from passes.graph.collectives import all_reduce_tensor
+from passes.graph.pass_runner import PassError, copy_graph_module
+from passes.graph.tensor_parallel import ParamSlice
+from passes.graph.variant import Lowered, retarget_devices
+from passes.plan.ir import ParallelScheme
+
+__all__ = ["LoweringError", "LoweringReport", "check_lowering", "probe_lengths", "probe_values", "neutralise_dropout",
+           "Reference"]
+
+Reference = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], torch.Tensor]
+"""``reference(params, sequences)``: the model with these full parameter values (by name) on each 1-D token
+sequence alone, without dropout; the logits of all tokens concatenated, (total, vocab)."""
+
+_DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
+
+
+class LoweringError(PassError):
+    """A lowering that cannot be built, or that does not compute what the model computes on the probe; the
+    same on every rank."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoweringReport:
+    """What the probe found for one (scheme, TP rank)."""
+
+    scheme: ParallelScheme
+    """The lowered replica layout."""
+    tp_rank: int
+    """This rank's index in its TP group."""
+    probe_lens: tuple[int, ...]
+    """The probe's sequence lengths (packed into one bucket)."""
+    tolerance: float
+    """Largest accepted relative difference."""
+    output_error: float
+    """Relative difference of the logits (largest over the group)."""
+    grad_errors: tuple[tuple[str, float], ...]
+    """Per parameter with a gradient: its relative difference, as judged against the tolerance."""
+
+    @property
+    def mismatched(self) -> tuple[tuple[str, float], ...]:
+        """The parameters whose gradients differ, worst first."""
+        return tuple(sorted(((n, e) for n, e in self.grad_errors if e > self.tolerance), key=lambda x: -x[1]))
+
+    @property
+    def ok(self) -> bool:
+        """Whether the outputs and every gradient agree."""
+        return self.output_error <= self.tolerance and not self.mismatched
+
+    def describe(self) -> str:
+        """One line: what differs, or that nothing does."""
+        where = f"{self.scheme.describe()} (TP rank {self.tp_rank}), probe of {list(self.probe_lens)} tokens"
+        if self.ok:
+            return f"{where}: logits and {len(self.grad_errors)} gradients agree"
+        parts = []
+        if self.output_error > self.tolerance:
+            parts.append(f"logits differ (relative error {self.output_error:.2g})")
+        bad = self.mismatched
+        if bad:
+            named = ", ".join(f"{n} ({e:.2g})" for n, e in bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6
+                                                                         else "")
+            parts.append(f"gradients differ for {named}")
+        return f"{where}: {'; '.join(parts)} (tolerance {self.tolerance:.0e})"
+
+
+def probe_lengths(bucket: int) -> tuple[int, ...]:
+    """Two uneven sequences filling most of ``bucket`` tokens (the rest is the runtime's padding)."""
+    first = max(1, (5 * bucket) // 8)
+    second = max(1, bucket // 4) if bucket - first >= 2 else 0
+    return (first, second) if second else (first,)
+
+
+def probe_values(shape: Sequence[int], name: str, seed: int = 0) -> torch.Tensor:
+    """A random fp32 value for parameter ``name`` (the same on every rank): weights of scale 1/sqrt(fan-in),
+    vectors around 1 (norm weights stay norm-like; biases are then large, which only makes the probe sharper)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ seed)
+    if len(shape) <= 1:
+        return 1.0 + 0.5 * torch.randn(tuple(shape), generator=g)
+    return torch.randn(tuple(shape), generator=g) / math.sqrt(shape[-1])
+
+
+def neutralise_dropout(gm: fx.GraphModule) -> int:
+    """Set every dropout's probability to 0 (in place); how many there were with p > 0."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _DROPOUT:
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            if p:
+                if "p" in node.kwargs:
+                    node.kwargs = {**node.kwargs, "p": 0.0}
+                else:
+                    node.args = (node.args[0], 0.0, *node.args[2:])
+                changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _find_param(gm: nn.Module, name: str) -> nn.Parameter | None:
+    """Parameter ``name`` of a lowered program (in the program, or in one of its pipeline stages)."""
+    for module in (gm, *(m for n, m in gm.named_children() if n.startswith("stage_"))):
+        try:
+            return module.get_parameter(name)
+        except AttributeError:
+            continue
+    return None
+
+
+def _scatter(sl: ParamSlice, grad: torch.Tensor, tp: int) -> torch.Tensor:
+    """This rank's weighted contribution to the full gradient of ``sl``'s parameter."""
+    weights = sl.range_weights(tp)
+    if sl.dim is None:
+        return grad.float() * weights[0]
+    full = grad.new_zeros(sl.full_shape, dtype=torch.float32)
+    offset = 0
+    for (a, b), w in zip(sl.ranges, weights):
+        full.narrow(sl.dim, a, b - a).copy_(grad.narrow(sl.dim, offset, b - a).float() * w)
+        offset += b - a
+    return full
+
+
+def _with_probe_values(captured: fx.GraphModule, values: Mapping[str, torch.Tensor],
+                       buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> fx.GraphModule:
+    """A copy of ``captured`` computing with ``values`` and real buffers (the captured graph may hold meta
+    stand-ins)."""
+    gm = copy_graph_module(captured)
+    for name, p in list(gm.named_parameters()):
+        path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        owner.register_parameter(leaf, nn.Parameter(values[name].clone(), requires_grad=p.requires_grad))
+    device = next(iter(values.values())).device if values else torch.device("cpu")
+    for name, b in list(gm.named_buffers()):
+        path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        owner.register_buffer(leaf, buffer(name, b).to(device))
+    if device.type != "meta":
+        retarget_devices(gm, torch.device("meta"), device)
+    return gm
+
+
+def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int, tp_group: str | None,
+                   lower: Callable[[fx.GraphModule], Lowered], reference: Reference,
+                   buffer: Callable[[str, torch.Tensor], torch.Tensor], vocab: int, device: torch.device,
+                   dtype: torch.dtype, output_index: int = 0, seed: int = 0) -> LoweringReport:
+    """Run ``lower`` (a graph -> ``passes.graph.variant.Lowered``) on a copy of ``captured`` (input (1, bucket))
+    holding probe values, on a probe of packed sequences, against ``reference`` on each sequence alone; every
+    rank of the TP group calls it together. Raises what building the lowering raises."""
+    bucket = int(next(n for n in captured.graph.nodes if n.op == "placeholder").meta["val"].shape[-1])
+    lens = probe_lengths(bucket)
+    values = {name: probe_values(p.shape, name, seed).to(device=device, dtype=dtype)
+              for name, p in captured.named_parameters()}
+    gm = _with_probe_values(captured, values, buffer)
+    neutralise_dropout(gm)
+    lowered = lower(gm)
+    g = torch.Generator().manual_seed(seed + 1)
+    seqs = [torch.randint(0, max(vocab, 1), (n,), generator=g).to(device) for n in lens]
+    total = sum(lens)
+    ids = torch.cat([*seqs, seqs[0].new_zeros(bucket - total)])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), *([bucket] if total < bucket else [])],
+                      dtype=torch.int32, device=device)
+    out = lowered.graph_module(ids[None], cu, bucket)
+    logits = (out[output_index] if isinstance(out, (tuple, list)) else out)[0, :total]
+    ref_params = {name: v.clone().requires_grad_(True) for name, v in values.items()}
+    ref_logits = reference(ref_params, seqs)
+    weights = torch.randn(tuple(ref_logits.shape), generator=g).to(device)
+    (logits.float() * weights).sum().backward()
+    (ref_logits.float() * weights).sum().backward()
+    output_error = _relative(logits.detach().float(), ref_logits.detach().float(), 0.0)
+    grads = _reassembled(lowered, scheme.tp, tp_group, device)
+    errors = _grad_errors(grads, {n: p.grad for n, p in ref_params.items()})
+    if tp_group is not None:
+        output_error = float(all_reduce_tensor(torch.tensor([output_error], device=device), tp_group, "max")[0])
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    return LoweringReport(scheme=scheme, tp_rank=tp_rank, probe_lens=lens, tolerance=tolerance,
+                          output_error=output_error, grad_errors=tuple(errors))
+
+
+def _reassembled(lowered: Lowered, tp: int, tp_group: str | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient as training would sum it over the TP group (parameters without a
+    gradient on every rank are left out)."""
+    parts, names, has = [], [], []
+    for sl in lowered.params:
+        p = _find_param(lowered.graph_module, sl.name)
+        grad = None if p is None else p.grad
+        has.append(grad is not None)
+        parts.append(_scatter(sl, grad, tp).flatten() if grad is not None
+                     else torch.zeros(math.prod(sl.full_shape), device=device))
+        names.append(sl)
+    flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
+    present = torch.tensor(has, dtype=torch.float32, device=device)
+    if tp_group is not None:
+        flat = all_reduce_tensor(flat, tp_group, "sum")
+        present = all_reduce_tensor(present, tp_group, "sum")
+    out, offset = {}, 0
+    for sl, seen in zip(names, present.tolist()):
+        n = math.prod(sl.full_shape)
+        if seen:
+            out[sl.name] = flat[offset:offset + n].view(sl.full_shape)
+        offset += n
+    return out
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor, floor: float) -> float:
+    diff = float(torch.linalg.vector_norm(got - want))
+    return diff / max(float(torch.linalg.vector_norm(want)) + floor, 1e-30)
+
+
+def _grad_errors(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor | None]
+                 ) -> list[tuple[str, float]]:
+    """Per parameter, the difference over (its own norm + the gradients' RMS times sqrt(its size)): a
+    gradient that is zero in exact arithmetic (a key bias) is judged against the size of gradients in
+    general, not against its own rounding."""
+    present = {n: g.float() for n, g in want.items() if g is not None}
+    total = sum(g.numel() for g in present.values()) or 1
+    rms = math.sqrt(sum(float(g.pow(2).sum()) for g in present.values()) / total)
+    errors = []
+    for name in sorted(set(present) | set(got)):
+        if name not in present or name not in got:
+            errors.append((name, math.inf))  # a gradient on one side only
+            continue
+        ref = present[name]
+        errors.append((name, _relative(got[name], ref, rms * math.sqrt(ref.numel()))))
+    return errors
+
