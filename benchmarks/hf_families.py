@@ -34,7 +34,7 @@ from benchmarks.provenance import commit
 VOCAB = 64
 STRATEGIES = ("4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp2,pp2)")
 SMOKE_STRATEGIES = ("2x(tp2)", "1x(tp2,pp2)")
-LENS = ([14, 22, 15, 23, 13, 20, 24, 3, 9], [9, 33, 21, 2, 17, 24, 11, 6])
+LENS = ([14, 22, 15, 23, 13, 20, 24, 3, 9], [9, 23, 21, 2, 17, 24, 11, 6])
 LR = 0.5
 
 _LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

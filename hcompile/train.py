@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import fx
 
 from hcompile.api import CompiledModel
+from hcompile.export import save_pretrained
 from hcompile.verify import prepare_strategy
 from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
+from passes.graph.normalize import canonical_graph
 from passes.graph.tensor_parallel import ParamSlice, split_dims
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
@@ -233,7 +235,10 @@ def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_
     """Analytic cost model of a captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
     pp at most the layer count and tp*pp dividing the world size, each capped at ``tokens_per_rank * tp`` tokens
     per micro-batch (1024 per rank when None) and by the memory ``runtime`` leaves."""
-    analysis = analyze_graph(captured)
+    analysis = analyze_graph(canonical_graph(captured))
+    if not analysis.attention:
+        raise ValueError(f"{name} has no attention (no scaled_dot_product_attention call, nor a softmax(q @ k^T) @ v "
+                         "written out): hcompile trains Transformer decoders, and plans by their attention")
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
@@ -406,6 +411,14 @@ class Trainer:
             self.calibration.load_state_dict(extra["calibration"])
         return meta
 
+    def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
+                        max_shard_size: int | str = "5GB") -> list[str] | None:
+        """Write the trained parameters as a Hugging Face folder (``hcompile.export``): the model's own names,
+        a tied weight once, safetensors shards of at most ``max_shard_size``, the model's config; loads with
+        ``AutoModelForCausalLM.from_pretrained(path)``. Collective (rank 0 writes; returns its file names)."""
+        return save_pretrained(self.provider.compiled.model, self.layout, path, dtype=dtype,
+                               max_shard_size=max_shard_size)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""
         return self.layout.full_state_dict()
@@ -418,7 +431,7 @@ def _layout(provider: CompiledProvider, ctx: DistContext, *, init: Init | None,
     if init is not None and state_dict is not None:
         raise ValueError("pass an initialiser or a state dict, not both")
     named = dict(provider.compiled.model.named_parameters())
-    dims = split_dims(provider.captured(ANALYSIS_TOKENS).graph_module)
+    dims = split_dims(canonical_graph(provider.captured(ANALYSIS_TOKENS).graph_module))
     layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
     source = ["state_dict" if state_dict is not None else "init" if init is not None else "model"]
     if ctx.world_size > 1:

@@ -198,6 +198,27 @@ class FixedLayout:
                     with torch.no_grad():
                         self.shard[lo - self.shard_lo:hi - self.shard_lo].copy_(buf)
 
+    def gather_to_rank0(self, name: str) -> torch.Tensor | None:
+        """Collective: parameter ``name`` whole (fp32) on rank 0, from the parts its owners send; None on the
+        other ranks. The inverse of :meth:`stream_from_rank0`, one parameter at a time."""
+        spec = self._spec(name)
+        stored = torch.empty(spec.numel, dtype=torch.float32, device=self.device) if self.rank == 0 else None
+        for owner in range(self.world_size):
+            lo, hi = self.owner_range(owner)
+            lo, hi = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+            if hi <= lo:
+                continue
+            piece = self.shard.detach()[lo - self.shard_lo:hi - self.shard_lo] if self.rank == owner else None
+            if self.rank == 0:
+                target = stored[lo - spec.offset:hi - spec.offset]
+                if owner == 0:
+                    target.copy_(piece)
+                else:
+                    dist.recv(target, owner)  # a contiguous slice of the buffer: received in place
+            elif self.rank == owner:
+                dist.send(piece.contiguous(), 0)
+        return None if stored is None else spec.unstore(stored, spec.shape).contiguous()
+
     def views(self, flat: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Each parameter, in its own shape, as a view of a full flat vector ``flat``."""
         out = {}

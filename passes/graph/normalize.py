@@ -37,10 +37,10 @@ from torch import fx
 
 from codegen.reference import softcapped_attention
 from passes.graph.analyze import SDPA_TARGETS
-from passes.graph.pass_runner import PassContext, PassResult
+from passes.graph.pass_runner import PassContext, PassResult, copy_graph_module, run_passes
 
-__all__ = ["CANONICAL_PASSES", "fold_repeat_kv_pass", "fold_transposed_matmul_pass", "fold_fused_slices_pass",
-           "fold_eager_attention_pass", "unrepeated_kv"]
+__all__ = ["CANONICAL_PASSES", "canonical_graph", "fold_repeat_kv_pass", "fold_transposed_matmul_pass",
+           "fold_fused_slices_pass", "fold_eager_attention_pass", "unrepeated_kv"]
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
@@ -341,3 +341,10 @@ def fold_eager_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResul
 
 CANONICAL_PASSES = (fold_transposed_matmul_pass, fold_fused_slices_pass, fold_eager_attention_pass, fold_repeat_kv_pass)
 """The canonical-form passes, in the order the lowering runs them."""
+
+
+def canonical_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` in canonical form (every pass of ``CANONICAL_PASSES``): what graph analysis and the
+    tensor-parallel decisions should read."""
+    out, _ = run_passes(copy_graph_module(gm), CANONICAL_PASSES, PassContext())
+    return out

@@ -531,7 +531,8 @@ class _Rewriter:
         """Whether a floating-point value depends on a trainable parameter (its gradient is wanted)."""
         if node not in self.grad_flow:
             val = node.meta.get("val")
-            floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+            vals = val if isinstance(val, (tuple, list)) else (val,)  # a split's pieces
+            floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
             if node.op == "get_attr":
                 self.grad_flow[node] = floating and _is_param(self.gm, node.target) and \
                     self.gm.get_parameter(node.target).requires_grad
