@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 from dist_util import run_ranks  # noqa: E402
 
 from hcompile.export import parse_size, save_pretrained  # noqa: E402
-from runtime.fixed_layout import FixedLayout  # noqa: E402
 from passes.graph.variant import TokenBuckets  # noqa: E402
+from runtime.fixed_layout import FixedLayout  # noqa: E402
 
 
 def _model(tie: bool = True):
