@@ -107,6 +107,7 @@ class Case:
     detail: str
     """The worst relative difference (ok, MISMATCH), or the error's first line."""
     seconds: float
+    """The family's job time over its number of strategies."""
 
 
 def make_model(family: str) -> torch.nn.Module:
@@ -149,22 +150,27 @@ def reference(family: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, states
 
 
-def _train(rank: int, world: int, family: str, strategy: str) -> dict:
-    """One rank: a trainer forced to ``strategy``; what happened before and after its first step."""
+def _train(rank: int, world: int, family: str, strategies: list[str]) -> list[dict]:
+    """One rank: per strategy, a trainer forced to it (all over one compiled model, so captures are shared);
+    what happened before and after its first step."""
     import hcompile
     from passes.graph.variant import TokenBuckets
 
-    steps: list = []
-    try:
-        trainer = hcompile.compile(make_model(family), buckets=TokenBuckets.powers_of_two(16, 128)).trainer(
-            loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": LR}, strategies=[strategy],
-            tokens_per_rank=24, calibrate=False)
-        for batch in batches():
-            stats = trainer.train_step(batch, strategy=strategy)
-            steps.append((stats.loss, trainer.full_state_dict()))
-    except Exception as e:  # noqa: BLE001 - what failed, and when, is the result
-        return {"steps": steps, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
-    return {"steps": steps, "error": None}
+    compiled = hcompile.compile(make_model(family), buckets=TokenBuckets.powers_of_two(16, 128))
+    out = []
+    for strategy in strategies:
+        steps: list = []
+        try:
+            trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": LR},
+                                       strategies=[strategy], tokens_per_rank=24, calibrate=False)
+            for batch in batches():
+                stats = trainer.train_step(batch, strategy=strategy)
+                steps.append((stats.loss, trainer.full_state_dict()))
+        except Exception as e:  # noqa: BLE001 - what failed, and when, is the result
+            out.append({"steps": steps, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"})
+            continue
+        out.append({"steps": steps, "error": None})
+    return out
 
 
 def _compare(steps: list, ref_losses: list[float], ref_states: list[dict]) -> tuple[bool, str]:
@@ -181,27 +187,33 @@ def _compare(steps: list, ref_losses: list[float], ref_states: list[dict]) -> tu
     return worst <= 1e-5, f"{worst:.1e} ({where})" if where else "0"
 
 
-def run_case(family: str, strategy: str, timeout_s: float) -> Case:
-    """``family`` under ``strategy`` on 4 local gloo ranks against single-process SGD."""
+def run_family(family: str, strategies: list[str], timeout_s: float) -> list[Case]:
+    """``family`` under each strategy on 4 local gloo ranks (one job) against single-process SGD."""
     from hcompile.tools.spawn import RankError, run_local_ranks
 
     started = time.perf_counter()
     try:
-        results = run_local_ranks(4, _train, family, strategy, timeout_s=timeout_s)
+        results = run_local_ranks(4, _train, family, strategies, timeout_s=timeout_s)
     except RankError as e:
-        return Case(family, strategy, "error", str(e).strip().splitlines()[0][:300], time.perf_counter() - started)
-    errors = {r["error"] for r in results if r["error"]}
-    trained = max(len(r["steps"]) for r in results)
-    if errors and trained == 0:
-        outcome, detail = "refused", sorted(errors)[0]
-    elif errors:
-        outcome, detail = "error", f"after {trained} step(s): {sorted(errors)[0]}"
-    else:
-        ref_losses, ref_states = reference(family)
-        checks = [_compare(r["steps"], ref_losses, ref_states) for r in results]
-        outcome = "ok" if all(ok for ok, _ in checks) else "MISMATCH"
-        detail = max((d for _, d in checks), key=lambda d: float(d.split()[0]))
-    return Case(family, strategy, outcome, detail, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return [Case(family, s, "error", str(e).strip().splitlines()[-1][:300], seconds) for s in strategies]
+    seconds = (time.perf_counter() - started) / len(strategies)
+    ref_losses, ref_states = reference(family)
+    cases = []
+    for i, strategy in enumerate(strategies):
+        per_rank = [r[i] for r in results]
+        errors = {r["error"] for r in per_rank if r["error"]}
+        trained = max(len(r["steps"]) for r in per_rank)
+        if errors and trained == 0:
+            outcome, detail = "refused", sorted(errors)[0]
+        elif errors:
+            outcome, detail = "error", f"after {trained} step(s): {sorted(errors)[0]}"
+        else:
+            checks = [_compare(r["steps"], ref_losses, ref_states) for r in per_rank]
+            outcome = "ok" if all(ok for ok, _ in checks) else "MISMATCH"
+            detail = max((d for _, d in checks), key=lambda d: float(d.split()[0]))
+        cases.append(Case(family, strategy, outcome, detail, seconds))
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="repeat; default: all")
     parser.add_argument("--strategy", action="append", help=f"repeat; default: {', '.join(STRATEGIES)}")
     parser.add_argument("--smoke", action="store_true", help="three families, two strategies (CI)")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="per case")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per family (all its strategies)")
     parser.add_argument("--json", action="store_true", help="print the JSON lines")
     args = parser.parse_args(argv)
     families = args.family or (SMOKE_FAMILIES if args.smoke else tuple(FAMILIES))
@@ -217,10 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HCOMPILE_TIMEOUT_S", "60")  # a rank left waiting on a failed peer gives up soon
     cases = []
     for family in families:
-        for strategy in strategies:
-            case = run_case(family, strategy, args.timeout_s)
+        for case in run_family(family, list(strategies), args.timeout_s):
             cases.append(case)
-            print(f"{family:<18} {strategy:<16} {case.outcome:<9} {case.seconds:6.1f}s  {case.detail}", flush=True)
+            print(f"{family:<18} {case.strategy:<16} {case.outcome:<9} {case.seconds:6.1f}s  {case.detail}", flush=True)
     stamp = {"commit": commit(), "torch": torch.__version__, "transformers": _transformers_version()}
     lines = [json.dumps({**asdict(c), **stamp}) for c in cases]
     out = Path("results/hf_families.jsonl")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from passes.graph.collectives import all_reduce_tensor
-from passes.graph.pass_runner import PassError, copy_graph_module
+from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import ParamSlice
 from passes.graph.variant import Lowered, retarget_devices
 from passes.plan.ir import ParallelScheme
@@ -149,23 +149,32 @@ def _scatter(sl: ParamSlice, grad: torch.Tensor, tp: int) -> torch.Tensor:
     return full
 
 
-def _with_probe_values(captured: fx.GraphModule, values: Mapping[str, torch.Tensor],
-                       buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> fx.GraphModule:
-    """A copy of ``captured`` computing with ``values`` and real buffers (the captured graph may hold meta
-    stand-ins)."""
-    gm = copy_graph_module(captured)
-    for name, p in list(gm.named_parameters()):
-        path, _, leaf = name.rpartition(".")
-        owner = gm.get_submodule(path) if path else gm
-        owner.register_parameter(leaf, nn.Parameter(values[name].clone(), requires_grad=p.requires_grad))
-    device = next(iter(values.values())).device if values else torch.device("cpu")
-    for name, b in list(gm.named_buffers()):
-        path, _, leaf = name.rpartition(".")
-        owner = gm.get_submodule(path) if path else gm
-        owner.register_buffer(leaf, buffer(name, b).to(device))
-    if device.type != "meta":
-        retarget_devices(gm, torch.device("meta"), device)
-    return gm
+def _bind_probe(lowered: Lowered, values: Mapping[str, torch.Tensor],
+                buffer: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    """Give a lowered program (built on the capture as it is, perhaps of meta stand-ins) this rank's slices of
+    the probe values and real buffers, as the runtime binds its own: one Parameter per name, shared by every
+    stage that reads it."""
+    slices = {sl.name: sl for sl in lowered.params}
+    made: dict[str, torch.Tensor] = {}
+    gm = lowered.graph_module
+    modules = [m for n, m in gm.named_children() if n.startswith("stage_")] or [gm]  # stages hold what they read
+    for module in modules:
+        for name, p in list(module.named_parameters()):
+            if name not in made:
+                made[name] = nn.Parameter(slices[name].take(values[name]).clone(), requires_grad=p.requires_grad)
+            _owner(module, name).register_parameter(name.rpartition(".")[2], made[name])
+        for name, b in list(module.named_buffers()):
+            if name not in made:
+                made[name] = (buffer(name, b) if b.device.type == "meta" else b).to(device)
+            _owner(module, name).register_buffer(name.rpartition(".")[2], made[name])
+        if device.type != "meta":
+            retarget_devices(module, torch.device("meta"), device)
+        neutralise_dropout(module)
+
+
+def _owner(root: nn.Module, name: str) -> nn.Module:
+    path = name.rpartition(".")[0]
+    return root.get_submodule(path) if path else root
 
 
 def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int, tp_group: str | None,
@@ -179,9 +188,8 @@ def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank:
     lens = probe_lengths(bucket)
     values = {name: probe_values(p.shape, name, seed).to(device=device, dtype=dtype)
               for name, p in captured.named_parameters()}
-    gm = _with_probe_values(captured, values, buffer)
-    neutralise_dropout(gm)
-    lowered = lower(gm)
+    lowered = lower(captured)
+    _bind_probe(lowered, values, buffer, device)
     g = torch.Generator().manual_seed(seed + 1)
     seqs = [torch.randint(0, max(vocab, 1), (n,), generator=g).to(device) for n in lens]
     total = sum(lens)
