@@ -24,12 +24,50 @@ def test_launch_two_ranks(tmp_path):
     assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == ["2 gloo 3", "2 gloo 3"]
 
 
-def test_failing_rank_exits_nonzero(tmp_path):
+BAD = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    print("fatal: rank 1 cannot go on", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(30)  # ended by the launcher once rank 1 has failed
+"""
+
+
+def test_a_failing_rank_gives_its_own_exit_code_and_last_error_line(tmp_path):
     script = tmp_path / "bad.py"
-    script.write_text("raise SystemExit(3)\n")
+    script.write_text(BAD)
     proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script)],
                           capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 1 and "a rank failed" in proc.stdout
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "hcompile launch: rank 1 failed (exit code 3): fatal: rank 1 cannot go on")
+    script.write_text("import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "import time; time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 137 and "rank 0 failed (signal SIGKILL): (nothing on its stderr)" in proc.stderr
+
+
+EXIT = """
+import atexit, sys, torch, torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs after runtime's
+from runtime.distributed import init_distributed
+ctx = init_distributed(timeout_s=60)
+t = torch.ones(4)
+dist.all_reduce(t)
+"""
+
+
+def test_the_process_group_is_destroyed_before_the_interpreter_finalizes(tmp_path):
+    """A job that ends without destroy_process_group: the runtime destroys it at exit, while the interpreter is
+    alive, so no gloo worker thread touches Python objects during finalization (the rare "terminate called
+    without an active exception" that turned a finished job into exit 1)."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT)
+    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("initialized at exit: False") == 2, proc.stdout
 
 
 def test_launch_errors_exit_2(tmp_path):
