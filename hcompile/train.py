@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -346,8 +347,6 @@ class Trainer:
 
     def _holds(self, memory: RuntimeMemory) -> tuple[int, float, int]:
         """How many tokens a rank of this job holds (the smallest over the ranks; collective)."""
-        import os
-
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
         return tokens_a_rank_holds(self.provider.captured(ANALYSIS_TOKENS).graph_module, ANALYSIS_TOKENS,
                                    self.ctx.device, local, self.layout.numel, self.ctx.world_size, memory)

@@ -53,9 +53,17 @@ def _resume(rank, world, ckpt, strategies):
     return meta["step"], state, losses, trainer.full_state_dict()
 
 
-def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    (losses, saved, final), *_ = run_ranks(4, tmp_path, _save_and_continue, ckpt)
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """A checkpoint saved on 4 ranks after 3 steps, and the run's losses and parameters (one run for the module's
+    tests; they read it, or damage their own copies)."""
+    tmp = tmp_path_factory.mktemp("four")
+    ckpt = str(tmp / "ckpt")
+    return ckpt, run_ranks(4, tmp, _save_and_continue, ckpt)[0]
+
+
+def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path, four_ranks):
+    ckpt, (losses, saved, final) = four_ranks
     step, _, resumed, resumed_final = run_ranks(4, tmp_path, _resume, ckpt, "auto")[0]
     assert step == 3 and resumed == losses[3:]  # the checkpoint's pool, the same plans: bit for bit
     for n, p in final.items():
@@ -69,7 +77,9 @@ def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path):
     assert meta["world_size"] == 4 and set(meta["extra"]) == {"pool", "fixed"}
 
 
-def _damaged(rank, world, ckpt):
+def _damaged_then_override(rank, world, ckpt):
+    """Loads of damaged and missing checkpoints (errors, whether anything changed), then a checkpoint of this
+    run resumed with other explicit arguments (what the second trainer runs with, what was logged)."""
     from runtime.checkpoint import CheckpointError
 
     trainer = _trainer(("2x(tp1)",))
@@ -83,20 +93,25 @@ def _damaged(rank, world, ckpt):
         except CheckpointError as exc:
             errors.append(str(exc))
     unchanged = all(torch.equal(before[n], t) for n, t in trainer.full_state_dict().items())
-    return errors, unchanged
+    return (errors, unchanged), _override(trainer, ckpt + "-own")
 
 
-def test_a_truncated_file_fails_every_rank_fast_and_changes_nothing(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    run_ranks(4, tmp_path, _save_and_continue, ckpt)
+@pytest.fixture(scope="module")
+def two_ranks(four_ranks, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two")
+    ckpt = str(tmp / "ckpt")
+    shutil.copytree(four_ranks[0], ckpt)
     shutil.copytree(ckpt, ckpt + "-flipped")
     version = Path(ckpt) / (Path(ckpt) / "LATEST").read_text().strip()
     victim = version / "rank2.safetensors"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     flipped = Path(ckpt + "-flipped") / version.name / "rank1.safetensors"
     _flip(flipped, next(k for k in _keys(flipped) if k.startswith("param/")), bits=1)
-    results = run_ranks(2, tmp_path, _damaged, ckpt, timeout_s=120)
-    (e0, unchanged0), (e1, unchanged1) = results
+    return ckpt, run_ranks(2, tmp, _damaged_then_override, ckpt, timeout_s=180)
+
+
+def test_a_truncated_file_fails_every_rank_fast_and_changes_nothing(two_ranks):
+    _, ((e0, unchanged0), _), ((e1, unchanged1), _) = two_ranks[0], *two_ranks[1]
     assert e0 == e1 and unchanged0 and unchanged1
     assert "loading the checkpoint failed on rank" in e0[0] and "rank2" not in e0[1]
     assert "no checkpoint at" in e0[1]
@@ -334,7 +349,7 @@ def test_save_removes_only_its_own_versions(tmp_path, monkeypatch):
         save_checkpoint(".", layout, opt, step=9, data_position=0, keep=0)
 
 
-def _override(rank, world, ckpt):
+def _override(first, ckpt):
     import logging
 
     records: list[str] = []
@@ -344,9 +359,7 @@ def _override(rank, world, ckpt):
             records.append(record.getMessage())
 
     logging.getLogger("hcompile").addHandler(Keep())
-    first = _trainer(("2x(tp1)",), optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})
-    first.train_step(_batches(1)[0])
-    first.save(ckpt, step=1, data_position=1)
+    first.save(ckpt, step=1, data_position=1)  # 2x(tp1), lr 1e-2, weight decay 0.1
     second = _trainer(("1x(tp2)",), optimizer_kwargs={"lr": 5e-3})
     second.load(ckpt)
     group = second.optimizer.param_groups[0]
@@ -354,10 +367,10 @@ def _override(rank, world, ckpt):
     return group["lr"], group["weight_decay"], stats.strategy, records
 
 
-def test_explicit_arguments_win_over_the_checkpoint_with_one_logged_line(tmp_path):
-    results = run_ranks(2, tmp_path, _override, str(tmp_path / "ckpt"))
-    for rank, (lr, weight_decay, strategy, records) in enumerate(results):
+def test_explicit_arguments_win_over_the_checkpoint_with_one_logged_line(two_ranks):
+    ckpt, results = two_ranks
+    for rank, (_, (lr, weight_decay, strategy, records)) in enumerate(results):
         assert lr == 5e-3 and weight_decay == 0.1  # asked lr wins; weight decay, not asked, restored
         assert strategy == "1x(tp2,pp1)"  # asked, not the checkpoint's 2x(tp1)
         assert records == ([] if rank else ["resuming from %s: the explicit arguments replace what the checkpoint "
-                                            "held (lr=0.01, strategies ['2x(tp1,pp1)'])" % (tmp_path / "ckpt")])
+                                            "held (lr=0.01, strategies ['2x(tp1,pp1)'])" % (ckpt + "-own")])

@@ -49,8 +49,10 @@ def test_a_failing_rank_gives_its_own_exit_code_and_last_error_line(tmp_path):
 
 
 EXIT = """
-import atexit, sys, torch, torch.distributed as dist
-atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs after runtime's
+import atexit, os, sys, torch, torch.distributed as dist
+def report():  # registered first, so it runs after the runtime's own handler
+    open(sys.argv[1] + "." + os.environ["RANK"], "w").write(str(dist.is_initialized()))
+atexit.register(report)
 from runtime.distributed import init_distributed
 ctx = init_distributed(timeout_s=60)
 t = torch.ones(4)
@@ -64,10 +66,11 @@ def test_the_process_group_is_destroyed_before_the_interpreter_finalizes(tmp_pat
     without an active exception" that turned a finished job into exit 1)."""
     script = tmp_path / "exit.py"
     script.write_text(EXIT)
-    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script)],
+    out = tmp_path / "initialized"
+    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script), str(out)],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("initialized at exit: False") == 2, proc.stdout
+    assert [(tmp_path / f"initialized.{r}").read_text() for r in range(2)] == ["False", "False"]
 
 
 def test_launch_errors_exit_2(tmp_path):
