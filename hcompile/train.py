@@ -517,7 +517,7 @@ def _check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph
     if strategies == "auto":
         return
     known = {e.scheme for e in model.entries}
-    analysis = analyze_graph(graph)
+    analysis = analyze_graph(canonical_graph(graph))
     heads = min((site.heads for site in analysis.attention), default=1)
     for text in strategies:
         strategy = Strategy.parse(text)
