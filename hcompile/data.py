@@ -11,8 +11,10 @@ batch is a list of 1-D int64 tensors, what ``Trainer.train_step`` takes, the sam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, Sequence
@@ -73,12 +75,28 @@ class Corpus:
         self.documents = [d for d in documents if d.strip()]
         if not self.documents:
             raise DataError("the corpus holds no documents")
+        self.replaced_bytes = 0
+        """Bytes of the files read that were not UTF-8 (each run of them read as U+FFFD)."""
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        """A hash of every document in order (computed once): what a data position is checked against."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=16)
+            for text in self.documents:
+                raw = text.encode("utf-8", errors="surrogatepass")
+                digest.update(len(raw).to_bytes(8, "little"))
+                digest.update(raw)
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     @classmethod
     def from_paths(cls, paths: str | Path | Iterable[str | Path], *, text_field: str = "text",
-                   split_python: bool = False) -> "Corpus":
+                   split_python: bool = False, strict: bool = False) -> "Corpus":
         """Files and folders (searched recursively for text, ``.jsonl`` and ``.parquet`` files). ``split_python``:
-        a ``.py`` file is one document per top-level or nested function and class (long-tailed lengths)."""
+        a ``.py`` file is one document per top-level or nested function and class (long-tailed lengths).
+        Bytes that are not UTF-8 are read as U+FFFD, counted and reported once in a warning; ``strict``: they
+        are a :class:`DataError` naming the first file."""
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         files: list[Path] = []
         for p in map(Path, paths):
@@ -90,7 +108,16 @@ class Corpus:
                 raise DataError(f"corpus path {str(p)!r} does not exist")
         if not files:
             raise DataError(f"no text, .jsonl or .parquet files under {[str(p) for p in paths]}")
-        return cls([t for f in files for t in _read(f, text_field, split_python)])
+        bad: dict[Path, int] = {}
+        corpus = cls([t for f in files for t in _read(f, text_field, split_python, bad)])
+        corpus.replaced_bytes = sum(bad.values())
+        if bad and strict:
+            first = next(iter(bad))
+            raise DataError(f"{first} holds {bad[first]} bytes that are not UTF-8 (strict=True)")
+        if bad:
+            warnings.warn(f"{len(bad)} of {len(files)} corpus files hold bytes that are not UTF-8 ({sum(bad.values())} "
+                          f"bytes, read as U+FFFD; first {next(iter(bad))}); strict=True refuses them", stacklevel=2)
+        return corpus
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -104,10 +131,20 @@ def _readable(f: Path) -> bool:
     return f.suffix in TEXT_SUFFIXES or f.suffix in (".jsonl", ".parquet")
 
 
-def _read(path: Path, field: str, split_python: bool) -> list[str]:
+def _decode(path: Path, bad: dict[Path, int]) -> str:
+    """The text of ``path``; bytes that are not UTF-8 become U+FFFD and are counted in ``bad``."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        bad[path] = sum(1 for c in raw.decode("utf-8", errors="surrogateescape") if "\udc80" <= c <= "\udcff")
+        return raw.decode("utf-8", errors="replace")
+
+
+def _read(path: Path, field: str, split_python: bool, bad: dict[Path, int]) -> list[str]:
     if path.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        for n, line in enumerate(_decode(path, bad).splitlines(), 1):
             if line.strip():
                 try:
                     row = json.loads(line)
@@ -122,11 +159,17 @@ def _read(path: Path, field: str, split_python: bool) -> list[str]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(path, columns=[field]) if field in pq.read_schema(path).names else None
-        if table is None:
+        import pyarrow as pa
+
+        schema = pq.read_schema(path)
+        if field not in schema.names:
             raise DataError(f"{path} has no column {field!r}")
-        return [str(t) for t in table.column(field).to_pylist() if t is not None]
-    text = path.read_text(encoding="utf-8", errors="replace")
+        kind = schema.field(field).type
+        if not any(getattr(pa.types, f"is_{t}", lambda _: False)(kind) for t in ("string", "large_string",
+                                                                                 "string_view")):
+            raise DataError(f"{path}: column {field!r} holds {kind}, not strings")
+        return [t for t in pq.read_table(path, columns=[field]).column(field).to_pylist() if t is not None]
+    text = _decode(path, bad)
     return _DEFINITION.split(text) if split_python and path.suffix == ".py" else [text]
 
 
@@ -145,13 +188,21 @@ class TokenBatches:
     def __init__(self, corpus: Corpus, tokenizer: Tokenizer, *, tokens_per_batch: int, max_len: int, seed: int = 0,
                  min_len: int = 2, long_documents: str = "split"):
         """``long_documents``: a document of more than ``max_len`` tokens is cut into pieces (``split``) or
-        left out (``drop``)."""
+        left out (``drop``). What can be checked here is; a corpus no document of which gives a sequence is
+        a :class:`DataError` after one pass over it, never a loop."""
         if long_documents not in ("split", "drop"):
             raise DataError(f"long_documents must be 'split' or 'drop', got {long_documents!r}")
         self.long_documents = long_documents
-        for name, value in (("tokens_per_batch", tokens_per_batch), ("max_len", max_len), ("min_len", min_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DataError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (("tokens_per_batch", tokens_per_batch), ("max_len", max_len), ("min_len", min_len),
+                            ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1):
+                raise DataError(f"{name} must be a {'non-negative' if name == 'seed' else 'positive'} integer, "
+                                f"got {value!r}")
+        if max_len < 2:
+            raise DataError(f"max_len must be at least 2 (a sequence needs two tokens for one next-token pair), "
+                            f"got {max_len}")
+        if min_len > max_len:
+            raise DataError(f"min_len {min_len} is more than max_len {max_len}: no sequence could be cut")
         if max_len > tokens_per_batch:
             raise DataError(f"max_len {max_len} is more than the batch budget {tokens_per_batch}")
         self.corpus, self.tokenizer = corpus, tokenizer
@@ -161,46 +212,76 @@ class TokenBatches:
         sequences of that document earlier batches took."""
         self._pending: list[list[int]] = []
 
+    def _options(self) -> dict:
+        """What decides how documents are cut, and by which tokenizer."""
+        return {"max_len": self.max_len, "min_len": self.min_len, "long_documents": self.long_documents,
+                "tokenizer": f"{type(self.tokenizer).__name__}/{self.tokenizer.vocab_size}"}
+
     def state_dict(self) -> dict:
-        """The position (JSON-serialisable), for a checkpoint."""
+        """The position (JSON-serialisable), for a checkpoint, with what it is a position of: the seed, the
+        corpus's fingerprint and the options that cut its documents."""
         return {"epoch": self.epoch, "cursor": self.cursor, "taken": self.taken, "seed": self.seed,
-                "documents": len(self.corpus)}
+                "documents": len(self.corpus), "corpus": self.corpus.fingerprint(), **self._options()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a position ``state_dict`` gave; a position of another corpus or seed is refused."""
+        """Continue from a position ``state_dict`` gave; a position of another corpus, seed, ``max_len``,
+        ``min_len``, ``long_documents`` or tokenizer is refused (``tokens_per_batch`` may change)."""
         try:
             epoch, cursor, taken, seed, documents = (int(state[k]) for k in ("epoch", "cursor", "taken", "seed",
                                                                              "documents"))
+            saved = {k: state[k] for k in ("corpus", *self._options())}
         except (KeyError, TypeError, ValueError):
             raise DataError(f"not a data position: {state!r}") from None
-        if (seed != self.seed or documents != len(self.corpus) or not 0 <= cursor < documents or epoch < 0
-                or taken < 0):
+        if (seed != self.seed or documents != len(self.corpus) or saved["corpus"] != self.corpus.fingerprint()
+                or not 0 <= cursor < documents or epoch < 0 or taken < 0):
             raise DataError(f"data position {state!r} is not of this corpus ({len(self.corpus)} documents, "
-                            f"seed {self.seed})")
+                            f"fingerprint {self.corpus.fingerprint()}, seed {self.seed})")
+        for key, value in self._options().items():
+            if saved[key] != value:
+                raise DataError(f"data position of a run with {key}={saved[key]!r}, this one has {value!r}: its "
+                                "documents are cut otherwise")
         self.epoch, self.cursor, self.taken = epoch, cursor, taken
         self._pending = self.sequences(self.corpus.text(int(self._order(epoch)[cursor])))[taken:] if taken else []
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus))
 
-    def sequences(self, text: str) -> list[list[int]]:
-        """The sequences a document becomes: its tokens in pieces of at most ``max_len`` (none when it is longer
-        and long documents are dropped), pieces shorter than ``min_len`` left out."""
+    def _cut(self, text: str) -> tuple[list[list[int]], str]:
+        """The sequences a document becomes, and when there are none, why."""
         ids = self.tokenizer.encode(text)
         if ids and max(ids) >= self.tokenizer.vocab_size:
             raise DataError(f"the tokenizer gave id {max(ids)} >= its vocab_size {self.tokenizer.vocab_size}")
+        if not ids:
+            return [], "no tokens"
         if len(ids) > self.max_len and self.long_documents == "drop":
-            return []
+            return [], f"more than max_len {self.max_len} tokens (long_documents='drop')"
         pieces = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
-        return [p for p in pieces if len(p) >= self.min_len]
+        kept = [p for p in pieces if len(p) >= self.min_len]
+        return kept, "" if kept else f"fewer than min_len {self.min_len} tokens"
+
+    def sequences(self, text: str) -> list[list[int]]:
+        """The sequences a document becomes: its tokens in pieces of at most ``max_len`` (none when it is longer
+        and long documents are dropped), pieces shorter than ``min_len`` left out."""
+        return self._cut(text)[0]
 
     def next_batch(self) -> list[torch.Tensor]:
         """The next global batch: sequences in order while they fit ``tokens_per_batch`` (a document's
-        sequences continue in the next batch when they do not)."""
-        batch, total, order = [], 0, self._order(self.epoch)
+        sequences continue in the next batch when they do not). A :class:`DataError` when a whole pass over
+        the corpus gives no sequence."""
+        batch: list[torch.Tensor] = []
+        total, order = 0, self._order(self.epoch)
+        empty: dict[int, str] = {}  # documents met since the last sequence that gave none, and why
         while True:
             if not self._pending:
-                self._pending, self.taken = self.sequences(self.corpus.text(int(order[self.cursor]))), 0
+                document = int(order[self.cursor])
+                self._pending, why = self._cut(self.corpus.text(document))
+                self.taken = 0
+                if why:
+                    empty[document] = why
+                    if len(empty) == len(self.corpus):
+                        raise DataError(_nothing_to_cut(empty))
+                else:
+                    empty.clear()
             if self._pending and total + len(self._pending[0]) > self.tokens_per_batch and batch:
                 return batch
             if self._pending:
@@ -215,3 +296,12 @@ class TokenBatches:
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         while True:
             yield self.next_batch()
+
+
+def _nothing_to_cut(why: dict[int, str]) -> str:
+    """One line: no document of the corpus gives a sequence, and how many for each reason."""
+    counts: dict[str, int] = {}
+    for reason in why.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    reasons = "; ".join(f"{n} with {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"no document of the corpus gives a sequence ({len(why)} documents: {reasons})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -20,6 +21,7 @@ from torch import fx
 
 from hcompile.api import CompiledModel
 from hcompile.export import save_pretrained
+from hcompile.memory import bound_caps, tokens_a_rank_holds
 from hcompile.verify import prepare_strategy
 from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
 from passes.graph.normalize import canonical_graph
@@ -27,24 +29,31 @@ from passes.graph.tensor_parallel import ParamSlice, split_dims
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
 from passes.plan.datasets import LengthDataset
-from passes.plan.ir import CostModel, ParallelScheme, ReplicaPlan, StepPlan, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
-from runtime.checkpoint import load_checkpoint, save_checkpoint
+from runtime.checkpoint import DEFAULT_KEEP, load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
-from runtime.executor import Executor, StepStats
+from runtime.executor import Executor, StepStats, Traffic
 from runtime.fixed_layout import FixedLayout, Init
+from runtime.loss import global_pair_count
 from runtime.planning import DEFAULT_PLAN_TIMEOUT_S, PlanService
 from runtime.topology import Cluster, place
 
-__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens"]
+__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens", "ELEMENTWISE_OPTIMIZERS"]
 
 log = logging.getLogger("hcompile")
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims) reads."""
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop)
+"""Optimisers that update each element from its own gradient and state alone, so that a shard of the fixed
+layout steps exactly as the whole vector would (and their subclasses)."""
 
 CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0, link_gbps=5.0,
                fixed_ms_per_layer=0.2, gpus_per_node=1024)
@@ -57,12 +66,17 @@ class TrainOptions:
     loss: str = "causal_lm"
     """The loss; ``causal_lm`` (next-token cross-entropy within each sequence, mean over the global batch)."""
     optimizer: type = torch.optim.AdamW
-    """Optimiser class, applied to this rank's shard of the fixed layout (elementwise optimisers only)."""
+    """Optimiser class, applied to this rank's shard of the fixed layout: one of ``ELEMENTWISE_OPTIMIZERS`` (or
+    a subclass), others only with ``elementwise_optimizer=True``."""
+    elementwise_optimizer: bool = False
+    """True: ``optimizer`` is not a supported class but updates every element from that element's gradient
+    and state alone (its results would otherwise depend on how the layout is sharded); the trainer takes it."""
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of the optimiser."""
     strategies: str | tuple[str, ...] = "auto"
     """``auto`` (a pool built from the data; each step may also use another mix of the pool's schemes, which
-    compiles nothing new) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")``, used as listed."""
+    compiles nothing new) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")`` (or one, ``"4x(tp1)"``),
+    used as listed."""
     tokens_per_rank: int | None = None
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
     None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
@@ -108,9 +122,27 @@ class TrainOptions:
         value = self.tokens_per_rank
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tokens_per_rank must be a positive integer or None, got {value!r}")
+        _check_optimizer(self.optimizer, self.elementwise_optimizer)
+        if isinstance(self.strategies, str) and self.strategies != "auto":  # one strategy, not its characters
+            object.__setattr__(self, "strategies", (self.strategies,))
         if self.strategies != "auto":
+            if not isinstance(self.strategies, (list, tuple)) or not self.strategies:
+                raise ValueError(f"strategies must be 'auto' or strategies such as ('4x(tp1)',), got "
+                                 f"{self.strategies!r}")
+            object.__setattr__(self, "strategies", tuple(self.strategies))
             for text in self.strategies:
                 Strategy.parse(text)
+
+
+def _check_optimizer(optimizer: Any, trusted: bool) -> None:
+    """A supported optimiser class, or one the user vouches for; otherwise a ValueError naming them."""
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    if not trusted and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"optimizer {optimizer.__name__} is not supported: the fixed layout steps each rank's "
+                         f"shard alone, so only elementwise optimisers give the same result on any number of "
+                         f"ranks ({names}); pass elementwise_optimizer=True if {optimizer.__name__} is one")
 
 
 class _VariantStage:
@@ -286,6 +318,9 @@ class Trainer:
                                              memory)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
+        model = bound_caps(model, self._holds(memory), options.tokens_per_rank)  # before any capture at the cap
+        _check_strategies(options.strategies, model, self.provider.captured(ANALYSIS_TOKENS).graph_module,
+                          self.ctx.world_size)
         capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
         self.cost_model = dataclasses.replace(cap_tokens(model, {e.scheme: capturable for e in model.entries}),
                                               buckets=buckets.sizes)
@@ -309,6 +344,12 @@ class Trainer:
         """(scheme, TP rank) whose lowering this rank has checked."""
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
         self.last_plan = None
+
+    def _holds(self, memory: RuntimeMemory) -> tuple[int, float, int]:
+        """How many tokens a rank of this job holds (the smallest over the ranks; collective)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        return tokens_a_rank_holds(self.provider.captured(ANALYSIS_TOKENS).graph_module, ANALYSIS_TOKENS,
+                                   self.ctx.device, local, self.layout.numel, self.ctx.world_size, memory)
 
     def _planner(self, seq_lens: Sequence[int]) -> PlanService:
         if self._service is None:
@@ -371,6 +412,8 @@ class Trainer:
         seq_lens = agree_on_batch(batch, self.vocab_size, self.ctx.device)  # before any other collective
         if next_batch is not None:
             agree_on_batch(next_batch, self.vocab_size, self.ctx.device)
+        if global_pair_count(seq_lens) == 0:
+            return self._skip(seq_lens, next_batch)
         if self._submitted != (tuple(seq_lens), strategy):
             if self._submitted is not None:
                 self._service.take()  # a stale prefetch: drain it so every rank stays in step
@@ -386,10 +429,24 @@ class Trainer:
             self._service.set_cost_model(self.calibration.model())
         return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
 
-    def save(self, path: str, step: int, data_position: Any) -> None:
+    def _skip(self, seq_lens: Sequence[int], next_batch: Sequence[torch.Tensor] | None) -> StepStats:
+        """A batch without a next-token pair (only 1-token sequences): nothing runs and nothing changes (no
+        optimiser step, no weight decay); a plan prefetched for it is drained and the next batch's submitted."""
+        if self._submitted is not None:
+            self._service.take()
+            self._submitted = None
+        if next_batch is not None:
+            self._submit([int(t.numel()) for t in next_batch], None)
+        world = self.ctx.world_size
+        return StepStats(loss=0.0, tokens=sum(seq_lens), strategy="", busy_ms=(0.0,) * world, wall_ms=0.0,
+                         recompiles=self.provider.recompiles(), traffic=Traffic(), tokens_per_rank=(0,) * world,
+                         skipped=True)
+
+    def save(self, path: str, step: int, data_position: Any, keep: int = DEFAULT_KEEP) -> None:
         """Checkpoint the fixed layout, optimiser state, RNG, step, data position, strategy pool and cost-model
-        calibration (collective, atomic: ``runtime.checkpoint``). ``data_position``: anything JSON holds, e.g.
-        ``TokenBatches.state_dict()``."""
+        calibration (collective, atomic: ``runtime.checkpoint``). ``data_position``: anything JSON gives back
+        exactly, e.g. ``TokenBatches.state_dict()`` (a tuple, a non-finite float, ... are refused). ``keep``:
+        how many of the checkpoint's versions stay (the newest); nothing else in ``path`` is touched."""
         extra: dict = {}
         if self._service is not None:
             planner = self._service.planner
@@ -397,18 +454,32 @@ class Trainer:
             extra["fixed"] = planner.fixed.describe()
         if self.calibration is not None:
             extra["calibration"] = self.calibration.state_dict()
-        save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position, extra=extra)
+        save_checkpoint(path, self.layout, self.optimizer, step=step, data_position=data_position, extra=extra,
+                        keep=keep)
 
     def load(self, path: str) -> dict:
-        """Resume from ``save`` on any number of ranks; returns ``{"step", "data_position", ...}``. With the
-        same number of ranks the strategy pool, the calibration and the RNG continue as saved, so the steps
-        after a resume are the steps an uninterrupted run takes."""
-        meta = load_checkpoint(path, self.layout, self.optimizer)
-        extra = meta.get("extra", {})
+        """Resume from ``save`` on any number of ranks; returns ``{"step", "data_position", ...}``. Restored:
+        the master weights, the optimiser state and param groups, and, with the same number of ranks, the
+        strategy pool, the calibration and the RNG, so the steps after a resume are the steps an uninterrupted
+        run takes. Explicit arguments win: listed ``strategies`` and the ``optimizer_kwargs`` entries
+        replace what the checkpoint held, which one logged line names."""
+        explicit = set(self.options.optimizer_kwargs)
+        meta = load_checkpoint(path, self.layout, self.optimizer, override=explicit, check_extra=_extra_problem)
+        extra = meta["extra"]
+        held = [f"{k}={g[k]!r}" for g in meta["optimizer"]["param_groups"][:1] for k in sorted(explicit)
+                if k in g and g[k] != _plain(self.options.optimizer_kwargs[k])]
         if meta["world_size"] == self.ctx.world_size and "pool" in extra and self._service is None:
-            self._restored_pool = ([Strategy.parse(s) for s in extra["pool"]], Strategy.parse(extra["fixed"]))
+            pool = [Strategy.parse(s) for s in extra["pool"]]
+            if self.options.strategies != "auto":
+                listed = [Strategy.parse(s) for s in self.options.strategies]
+                held += [f"strategies {[s.describe() for s in pool]}"] if listed != pool else []
+                pool = listed
+            self._restored_pool = (pool, Strategy.parse(extra["fixed"]))
         if self.calibration is not None and "calibration" in extra:
             self.calibration.load_state_dict(extra["calibration"])
+        if held and self.ctx.rank == 0:
+            log.warning("resuming from %s: the explicit arguments replace what the checkpoint held (%s)", path,
+                         ", ".join(held))
         return meta
 
     def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
@@ -422,6 +493,46 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""
         return self.layout.full_state_dict()
+
+
+def _extra_problem(extra: dict) -> str | None:
+    """What is wrong with what ``Trainer.save`` added to a checkpoint (None: nothing)."""
+    try:
+        for text in [*extra.get("pool", []), *([extra["fixed"]] if "pool" in extra else [])]:
+            Strategy.parse(text)
+    except (PlanError, TypeError, AttributeError, KeyError) as exc:
+        return f"its strategy pool is not one: {exc}"
+    calibration = extra.get("calibration", {})
+    return None if isinstance(calibration, dict) else f"'extra.calibration' is {calibration!r}"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON gives it back (a tuple as a list), to compare with a checkpoint's."""
+    return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph: fx.GraphModule, world: int) -> None:
+    """Listed strategies that this job can run: every one covering the job's ranks with schemes of the cost
+    model; otherwise a ValueError saying why (the head count a TP degree does not divide, ...)."""
+    if strategies == "auto":
+        return
+    known = {e.scheme for e in model.entries}
+    analysis = analyze_graph(canonical_graph(graph))
+    heads = min((site.heads for site in analysis.attention), default=1)
+    for text in strategies:
+        strategy = Strategy.parse(text)
+        if strategy.gpus != world:
+            raise ValueError(f"strategy {text!r} covers {strategy.gpus} ranks, the job has {world}")
+        for scheme in strategy.schemes:
+            if heads % scheme.tp:
+                raise ValueError(f"strategy {text!r}: tp{scheme.tp} does not divide the model's {heads} attention "
+                                 "heads")
+            if scheme.pp > max(1, analysis.layers):
+                raise ValueError(f"strategy {text!r}: pp{scheme.pp} is more than the model's {analysis.layers} "
+                                 "layers")
+            if scheme not in known:
+                raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
+                                 f"({', '.join(s.describe() for s in sorted(known, key=str))})")
 
 
 def _layout(provider: CompiledProvider, ctx: DistContext, *, init: Init | None,

@@ -2,13 +2,15 @@
 
 Owns :func:`agree_on_batch`. Each rank checks its batch locally (a non-empty list of non-empty 1-D integer
 tensors, token ids in [0, vocab)), then the ranks exchange one small digest each (the status, the number of
-sequences, the tokens, a checksum of the ids and their positions). When every rank is well formed and every
-digest equals rank 0's, the step goes on; otherwise the ranks exchange their messages and every rank raises
-the same :class:`BatchError`, before any other collective of the step and before any state changes.
+sequences, the tokens, and a 128-bit blake2b hash of the lengths and the token ids, computed on the host once
+per batch). When every rank is well formed and every digest equals rank 0's, the step goes on; otherwise the
+ranks exchange their messages and every rank raises the same :class:`BatchError`, before any other collective
+of the step and before any state changes.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
@@ -41,13 +43,17 @@ def local_batch_problem(batch: object, vocab_size: int | None) -> str | None:
 
 
 def _digest(batch: Sequence[torch.Tensor], problem: str | None) -> torch.Tensor:
+    """[status, sequences, tokens, h0, h1]: a blake2b hash (128 bits, two int64s) of the lengths and the int64
+    token bytes, computed on the host once, so that a reordered cut of the same tokens or changed ids differ."""
     if problem is not None:
-        return torch.tensor([1, 0, 0, 0], dtype=torch.int64)
-    ids = torch.cat([t.to(torch.int64) for t in batch])
-    weights = torch.arange(ids.numel(), dtype=torch.int64) % 1_000_003 + 1
+        return torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64)
     lengths = torch.tensor([len(t) for t in batch], dtype=torch.int64)
-    checksum = int(((ids + 1) * weights).sum()) ^ int((lengths * torch.arange(1, len(batch) + 1)).sum())
-    return torch.tensor([0, len(batch), ids.numel(), checksum], dtype=torch.int64)
+    ids = torch.cat([t.detach().to(device="cpu", dtype=torch.int64) for t in batch])
+    digest = hashlib.blake2b(lengths.numpy().tobytes(), digest_size=16)
+    digest.update(ids.numpy().tobytes())
+    raw = digest.digest()
+    halves = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in (0, 8)]
+    return torch.tensor([0, len(batch), ids.numel(), *halves], dtype=torch.int64)
 
 
 def agree_on_batch(batch: object, vocab_size: int | None, device: torch.device | None = None) -> list[int]:

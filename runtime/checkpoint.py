@@ -1,38 +1,52 @@
-"""Checkpoints of the fixed layout: safe to load, atomic, and resumable on another number of ranks.
+"""Checkpoints of the fixed layout: safe to load, atomic, verified, and resumable on another number of ranks.
 
-A checkpoint is a folder. ``LATEST`` names its current version, a subfolder holding ``meta.json`` and one
-``rank{r}.safetensors`` per rank that wrote it. Each rank's file holds, per range: for every parameter with
-elements in its shard, ``param/<name>/<lo>`` (the master values of elements [lo, hi) of the parameter in the
-layout's storage order) and the same range of every per-element optimiser state (``<state>/<name>/<lo>``),
-plus its scalar optimiser state and its torch RNG state. ``meta.json`` holds the step, the data position, the
-layout (shapes, storage order), where each parameter's ranges are, the optimiser's class and param groups, and
+A checkpoint is a folder. ``LATEST`` names its current version, a subfolder ``v<step>-<time>`` holding
+``meta.json``, a marker file (``.hydraulis-version``) and one ``rank{r}.safetensors`` per rank that wrote it.
+Each rank's file holds, per range: for every parameter with elements in its shard, ``param/<name>/<lo>`` (the
+master values of elements [lo, hi) of the parameter in the layout's storage order) and the same range of
+every per-element optimiser state (``<state>/<name>/<lo>``), plus its scalar optimiser state and its torch RNG
+state. ``meta.json`` holds the step, the data position, the layout (shapes, storage order), where each
+parameter's ranges are, the sha256 and size of every rank file, the optimiser's class and param groups, and
 what the trainer adds (its strategy pool, the cost-model calibration).
 
-Saving writes a new version beside the current one, flushes every file to disk, agrees that every rank
-succeeded, and only then points ``LATEST`` at it (an atomic rename) and removes the old version: a crash at any
-moment leaves ``LATEST`` naming a complete checkpoint. Loading reads safetensors and JSON only (no pickle, so a
-crafted file runs no code); every rank reads and checks what it needs for its shard (any number of ranks,
-any strategy pool) into memory, the ranks agree that all of them succeeded, and only then is anything changed.
+Saving refuses a data position JSON would not give back exactly and non-finite master weights or optimiser
+state, writes a new version beside the current one, flushes every file to disk, agrees that every rank
+succeeded, and only then points ``LATEST`` at it (an atomic rename) and removes older versions beyond the
+last ``keep``: only folders it recognises as its own versions, by name and by its marker inside; nothing
+else in the folder is ever touched. A crash at any moment leaves ``LATEST`` naming a complete checkpoint.
+Loading reads safetensors and JSON only (no pickle, so a crafted file runs no code); every rank checks the
+metadata's types, the checksum of every file it reads and that the values are finite, reads what it needs
+for its shard (any number of ranks, any strategy pool) into memory, the ranks agree that all of them
+succeeded, and only then is anything changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
 
+from runtime.checkpoint_meta import group_problem, json_problem, meta_problem
 from runtime.fixed_layout import FixedLayout
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT", "MARKER", "DEFAULT_KEEP"]
 
-FORMAT = 2
-"""Version of the on-disk format."""
+FORMAT = 3
+"""Version of the on-disk format (3: rank files' checksums in ``meta.json``, a marker in every version)."""
+MARKER = ".hydraulis-version"
+"""The file every version folder a save writes holds; clean-up removes only folders that have it."""
+DEFAULT_KEEP = 1
+"""Versions a save keeps by default: the one it wrote."""
+_VERSION = re.compile(r"v\d{8,}-[0-9a-f]+")
+_STALE = re.compile(r"\.v\d{8,}-[0-9a-f]+\.tmp")
 
 
 class CheckpointError(RuntimeError):
@@ -52,11 +66,14 @@ def _gather(obj: Any) -> list:
     return out
 
 
-def _agree(error: str | None, action: str) -> None:
-    """Every rank's error (None: it succeeded); the first one is raised on every rank."""
-    for rank, message in enumerate(_gather(error)):
+def _agree(error: str | None, action: str, payload: Any = None) -> list:
+    """Every rank's error (None: it succeeded); the first one is raised on every rank. Returns every rank's
+    ``payload`` when none failed."""
+    gathered = _gather((error, payload))
+    for rank, (message, _) in enumerate(gathered):
         if message is not None:
             raise CheckpointError(f"{action} failed on rank {rank}: {message}")
+    return [p for _, p in gathered]
 
 
 def _fsync(path: Path) -> None:
@@ -67,6 +84,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _pieces(layout: FixedLayout, lo: int, hi: int) -> list[tuple[str, int, int]]:
     """(parameter, first, end) of the parameter elements (storage order) inside flat range [lo, hi)."""
     out = []
@@ -75,6 +97,16 @@ def _pieces(layout: FixedLayout, lo: int, hi: int) -> list[tuple[str, int, int]]
         if b > a:
             out.append((name, a - spec.offset, b - spec.offset))
     return out
+
+
+def _not_finite(layout: FixedLayout, values: torch.Tensor, what: str) -> str | None:
+    """Which parameter's part of this rank's shard ``values`` holds a NaN or an infinity (None: none does)."""
+    bad = (~torch.isfinite(values)).nonzero()
+    if bad.numel() == 0:
+        return None
+    at = layout.shard_lo + int(bad[0])
+    name = next((n for n, a, _ in _pieces(layout, at, at + 1)), "padding")
+    return f"{what} of {name!r} holds {values[int(bad[0])].item()} ({bad.numel()} non-finite values in this shard)"
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, numel: int) -> tuple[dict, dict]:
@@ -89,11 +121,20 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, numel: int) -> tuple[dict
     return per_element, scalars
 
 
-def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: Any, extra: dict | None = None) -> None:
-    """Collective: write a new version of the checkpoint at ``path`` and make it the current one."""
-    from safetensors.torch import save_file
+def _save_problem(step: Any, data_position: Any, keep: Any) -> str | None:
+    if type(step) is not int or step < 0:
+        return f"step must be a non-negative integer, got {step!r}"
+    if type(keep) is not int or keep < 1:
+        return f"keep must be a positive integer (versions kept), got {keep!r}"
+    problem = json_problem(data_position, "data_position")
+    return None if problem is None else f"{problem}: it would not be read back as saved"
 
+
+def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
+                    data_position: Any, extra: dict | None = None, keep: int = DEFAULT_KEEP) -> None:
+    """Collective: write a new version of the checkpoint at ``path``, make it the current one, and remove this
+    checkpoint's versions older than the last ``keep`` (nothing else in ``path`` is touched)."""
+    _agree(_save_problem(step, data_position, keep), "saving the checkpoint")
     path = Path(path)
     version = [f"v{step:08d}-{time.time_ns():x}"]
     if _world() > 1:
@@ -106,51 +147,88 @@ def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.opti
                 raise CheckpointError(f"{str(path)!r} is a file, expected a checkpoint folder")
             path.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": version[0]}) + "\n")
     except (OSError, CheckpointError) as exc:
         error = str(exc)
     _agree(error, "creating the checkpoint folder")
-    error = None
+    error, digest = None, None
     try:
-        lo = layout.shard_lo
-        shard = layout.shard.detach().cpu()
-        per_element, scalars = _optimizer_state(optimizer, layout.shard_numel)
-        tensors: dict[str, torch.Tensor] = {"rng": torch.get_rng_state()}
-        for name, a, b in _pieces(layout, lo, lo + layout.shard_numel):
-            start = layout.specs[name].offset + a - lo
-            tensors[f"param/{name}/{a}"] = shard[start:start + b - a].clone()
-            for key, value in per_element.items():
-                tensors[f"{key}/{name}/{a}"] = value.detach().cpu()[start:start + b - a].clone()
-        for key, value in scalars.items():
-            tensors[f"scalar/{key}"] = torch.as_tensor(value).detach().cpu().reshape(())
-        file = tmp / f"rank{layout.rank}.safetensors"
-        save_file(tensors, str(file))
-        _fsync(file)
+        digest = _write_rank_file(tmp, layout, optimizer)
     except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
         error = f"{type(exc).__name__}: {exc}"
-    _agree(error, "writing the checkpoint")
+    try:
+        digests = _agree(error, "writing the checkpoint", digest)
+    except CheckpointError:
+        if layout.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     error = None
     try:
         if layout.rank == 0:
-            _write_meta(tmp, layout, optimizer, step, data_position, extra)
-            final = path / version[0]
-            tmp.rename(final)
-            _fsync(path)
-            latest = path / ".LATEST.tmp"
-            latest.write_text(version[0] + "\n")
-            _fsync(latest)
-            os.replace(latest, path / "LATEST")
-            _fsync(path)
-            for old in path.iterdir():
-                if old.is_dir() and old.name != version[0]:
-                    shutil.rmtree(old, ignore_errors=True)
+            files = {f"rank{r}.safetensors": d for r, d in enumerate(digests)}
+            _write_meta(tmp, layout, optimizer, step, data_position, extra, files)
+            _publish(path, tmp, version[0])
+            _remove_old_versions(path, version[0], keep)
     except Exception as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
         shutil.rmtree(tmp, ignore_errors=True)
     _agree(error, "publishing the checkpoint")
 
 
+def _write_rank_file(tmp: Path, layout: FixedLayout, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's file (refused when a master weight or a per-element state is not finite): its checksum."""
+    from safetensors.torch import save_file
+
+    lo = layout.shard_lo
+    shard = layout.shard.detach().cpu()
+    per_element, scalars = _optimizer_state(optimizer, layout.shard_numel)
+    for what, values in (("the master weight", shard), *((f"optimizer state {k!r}", v.detach().cpu())
+                                                         for k, v in per_element.items())):
+        if (problem := _not_finite(layout, values, what)) is not None:
+            raise CheckpointError(f"{problem}: not saved (the current version stays current)")
+    tensors: dict[str, torch.Tensor] = {"rng": torch.get_rng_state()}
+    for name, a, b in _pieces(layout, lo, lo + layout.shard_numel):
+        start = layout.specs[name].offset + a - lo
+        tensors[f"param/{name}/{a}"] = shard[start:start + b - a].clone()
+        for key, value in per_element.items():
+            tensors[f"{key}/{name}/{a}"] = value.detach().cpu()[start:start + b - a].clone()
+    for key, value in scalars.items():
+        tensors[f"scalar/{key}"] = torch.as_tensor(value).detach().cpu().reshape(())
+    file = tmp / f"rank{layout.rank}.safetensors"
+    save_file(tensors, str(file))
+    _fsync(file)
+    return {"sha256": _sha256(file), "bytes": file.stat().st_size}
+
+
+def _publish(path: Path, tmp: Path, version: str) -> None:
+    """Rename the flushed version into place and point ``LATEST`` at it (an atomic rename)."""
+    tmp.rename(path / version)
+    _fsync(path)
+    latest = path / ".LATEST.tmp"
+    latest.write_text(version + "\n")
+    _fsync(latest)
+    os.replace(latest, path / "LATEST")
+    _fsync(path)
+
+
+def _own_version(folder: Path, pattern: re.Pattern) -> bool:
+    """Whether ``folder`` is a version a save wrote: its name and the marker inside."""
+    return (pattern.fullmatch(folder.name) is not None and folder.is_dir() and not folder.is_symlink()
+            and (folder / MARKER).is_file())
+
+
+def _remove_old_versions(path: Path, current: str, keep: int) -> None:
+    """Remove this checkpoint's versions but ``current`` and the newest ``keep - 1`` others, and the unfinished
+    versions of saves that crashed; never a folder without the marker, never a file."""
+    versions = sorted((f for f in path.iterdir() if f.name != current and _own_version(f, _VERSION)),
+                      key=lambda f: int(f.name.rsplit("-", 1)[1], 16), reverse=True)
+    stale = [f for f in path.iterdir() if _own_version(f, _STALE)]
+    for old in [*versions[keep - 1:], *stale]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _write_meta(folder: Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
-                data_position: Any, extra: dict | None) -> None:
+                data_position: Any, extra: dict | None, files: dict) -> None:
     pieces: dict[str, list[list[int]]] = {name: [] for name in layout.specs}
     for rank in range(layout.world_size):
         lo, hi = layout.owner_range(rank)
@@ -162,12 +240,12 @@ def _write_meta(folder: Path, layout: FixedLayout, optimizer: torch.optim.Optimi
         "format": FORMAT, "step": step, "data_position": data_position, "world_size": layout.world_size,
         "numel": layout.numel,
         "params": {n: {"shape": list(s.shape), "split_dim": s.split_dim} for n, s in layout.specs.items()},
-        "pieces": pieces,
+        "pieces": pieces, "files": files,
         "optimizer": {"class": type(optimizer).__name__, "param_groups": groups, "per_element": sorted(per_element)},
         "extra": extra or {},
     }
     file = folder / "meta.json"
-    file.write_text(json.dumps(meta))
+    file.write_text(json.dumps(meta, allow_nan=False))
     _fsync(file)
 
 
@@ -175,13 +253,19 @@ def _read_meta(path: Path) -> tuple[Path, dict]:
     latest = path / "LATEST"
     if not latest.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (no LATEST file)")
-    folder = path / latest.read_text().strip()
+    name = latest.read_text().strip()
+    if _VERSION.fullmatch(name) is None:
+        raise CheckpointError(f"{str(latest)!r} names {name[:80]!r}, not a checkpoint version")
+    folder = path / name
     try:
         meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {str(folder)!r} has no readable meta.json: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {str(folder)!r} is not of format {FORMAT}")
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {str(folder)!r} is of format {found!r}, this version reads {FORMAT}")
+    if (problem := meta_problem(meta)) is not None:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
     return folder, meta
 
 
@@ -202,10 +286,27 @@ def _check_layout(meta: dict, layout: FixedLayout, optimizer: torch.optim.Optimi
                               f"{type(optimizer).__name__}")
 
 
-def _read_shard(folder: Path, meta: dict, layout: FixedLayout, optimizer: torch.optim.Optimizer) -> tuple:
-    """This rank's new shard, its per-element and scalar optimiser states, and its RNG state (or None)."""
+def _verified(folder: Path, meta: dict, rank: int) -> Any:
+    """Rank ``rank``'s file, opened once its size and sha256 are those ``meta.json`` lists."""
     from safetensors import safe_open
 
+    name = f"rank{rank}.safetensors"
+    expected, file = meta["files"].get(name), folder / name
+    if expected is None:
+        raise CheckpointError(f"meta.json lists no checksum for {name}")
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        raise CheckpointError(f"{name} is damaged: {size} bytes, meta.json says {expected['bytes']}")
+    digest = _sha256(file)
+    if digest != expected["sha256"]:
+        raise CheckpointError(f"{name} is damaged: its sha256 is {digest[:16]}..., meta.json says "
+                              f"{expected['sha256'][:16]}...")
+    return safe_open(str(file), framework="pt")
+
+
+def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
+    """This rank's new shard, its per-element and scalar optimiser states, and its RNG state (or None), from
+    files whose checksums match, with every value finite."""
     lo = layout.shard_lo
     shard = torch.zeros(layout.shard_numel, dtype=torch.float32)
     states = {k: torch.zeros(layout.shard_numel, dtype=torch.float32) for k in meta["optimizer"]["per_element"]}
@@ -213,7 +314,7 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout, optimizer: torch.
 
     def opened(rank: int) -> Any:
         if rank not in files:
-            files[rank] = safe_open(str(folder / f"rank{rank}.safetensors"), framework="pt")
+            files[rank] = _verified(folder, meta, rank)
         return files[rank]
 
     for name, a, b in _pieces(layout, lo, lo + layout.shard_numel):
@@ -229,34 +330,55 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout, optimizer: torch.
     keys = [k for k in opened(own).keys() if k.startswith("scalar/")]
     scalars = {k.split("/", 1)[1]: opened(own).get_tensor(k) for k in keys}
     rng = opened(layout.rank).get_tensor("rng") if meta["world_size"] == layout.world_size else None
+    for what, values in (("the master weight", shard), *((f"optimizer state {k!r}", v) for k, v in states.items())):
+        if (problem := _not_finite(layout, values, what)) is not None:
+            raise CheckpointError(problem)
+    for key, value in scalars.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"optimizer state {key!r} is {value.item()}")
     return shard, states, scalars, rng
 
 
-def load_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.optim.Optimizer) -> dict:
+def _restored_groups(meta: dict, optimizer: torch.optim.Optimizer, override: Collection[str]) -> list[dict]:
+    """The optimiser's param groups with the checkpoint's values, but for the entries in ``override``."""
+    groups, saved = optimizer.state_dict()["param_groups"], meta["optimizer"]["param_groups"]
+    if len(saved) != len(groups):
+        raise CheckpointError(f"the checkpoint has {len(saved)} param groups, this optimiser {len(groups)}")
+    for i, (s, g) in enumerate(zip(saved, groups)):
+        if (problem := group_problem(i, s, g)) is not None:
+            raise CheckpointError(f"meta.json: {problem}")
+    return [{**g, **{k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in s.items() if k not in override}}
+            for g, s in zip(groups, saved)]
+
+
+def load_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.optim.Optimizer,
+                    override: Collection[str] = (), check_extra: Callable[[dict], str | None] | None = None) -> dict:
     """Collective: load the current version at ``path`` into this rank's shard and optimiser state (any world
-    size); returns the metadata (``step``, ``data_position``, ``extra``, ...). On any rank's failure every
-    rank raises the same :class:`CheckpointError` and nothing has changed."""
+    size); returns the metadata (``step``, ``data_position``, ``extra``, the saved ``optimizer`` param groups,
+    ...). ``override``: param-group entries (``lr``, ``weight_decay``, ...) the caller set explicitly, which
+    keep their current values. ``check_extra``: what is wrong with the caller's ``extra`` (None: nothing),
+    asked before anything changes. On any rank's failure every rank raises the same :class:`CheckpointError`
+    and nothing has changed."""
     path = Path(path)
     error, loaded = None, None
     try:
         folder, meta = _read_meta(path)
         _check_layout(meta, layout, optimizer, repr(str(folder)))
-        loaded = (meta, *_read_shard(folder, meta, layout, optimizer))
+        if check_extra is not None and (problem := check_extra(meta["extra"])) is not None:
+            raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
+        groups = _restored_groups(meta, optimizer, override)
+        loaded = (meta, groups, *_read_shard(folder, meta, layout))
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
         error = f"reading {str(path)!r}: {type(exc).__name__}: {exc}"
     _agree(error, "loading the checkpoint")
-    meta, shard, states, scalars, rng = loaded
+    meta, groups, shard, states, scalars, rng = loaded
     with torch.no_grad():
         layout.shard.copy_(shard.to(layout.shard.device))
-    groups = optimizer.state_dict()["param_groups"]
-    saved_groups = meta["optimizer"]["param_groups"]
-    restored = [{**g, **{k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in s.items()}}
-                for g, s in zip(groups, saved_groups)]
     state = {k: v.to(layout.shard.device) for k, v in states.items()}
     state.update({k: v for k, v in scalars.items()})
-    optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": restored})
+    optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": groups})
     if rng is not None:
         torch.set_rng_state(rng)
     return meta

@@ -1,10 +1,13 @@
 """torch.distributed set-up: the default process group (NCCL on GPUs, gloo on CPU) with a timeout on every
-collective, and the cache of sub-groups per strategy (created once, in the same order on every rank)."""
+collective, destroyed at exit while the interpreter is still whole, and the cache of sub-groups per strategy
+(created once, in the same order on every rank)."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +52,7 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        atexit.register(_destroy_at_exit)
         timeout = datetime.timedelta(seconds=timeout_s)
         if world_size == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
             # a plain `python train.py`: a world of one, its store in memory (no launcher, no rendezvous)
@@ -57,6 +61,20 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
             dist.init_process_group(backend=dist_backend, init_method=init_method or "env://", rank=rank,
                                     world_size=world_size, timeout=timeout)
     return DistContext(rank=rank, world_size=world_size, dist_backend=dist_backend, device=device)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy every process group before the interpreter finalizes. A gloo worker thread can still hold the
+    last reference to a finished collective's work (its tensors have Python objects); destroyed during
+    finalization, that work takes the GIL from a C++ thread, which aborts the process ("terminate called
+    without an active exception") and turns a finished job into exit 1. Destroying the groups here joins
+    those threads while Python is alive. After an uncaught exception NCCL groups are left alone (their
+    destruction can wait on peers that are still in a collective)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl" and getattr(sys, "last_value", None) is not None:
+        return
+    dist.destroy_process_group()
 
 
 class GroupCache:

@@ -85,6 +85,9 @@ class StepStats:
     compute_thread_ms: tuple[float, ...] = ()
     """Per rank: CPU time of the computing thread alone over the same window (communication threads left
     out), ms."""
+    skipped: bool = False
+    """The global batch had no next-token pair (only 1-token sequences): nothing ran, nothing changed (no
+    optimiser step), ``loss`` is 0."""
 
 
 def pack_micro_batch(batch: Sequence[torch.Tensor], indices: Sequence[int],

@@ -1,11 +1,17 @@
 """Local launch: ``hcompile launch --nproc N script.py [args]`` starts N ranks of a script on this machine
 through torch's elastic launcher (the same environment torchrun gives), so the script's
-``init_distributed()`` works unchanged under plain ``torchrun`` on a cluster."""
+``init_distributed()`` works unchanged under plain ``torchrun`` on a cluster. Each rank's stderr is shown
+(lines prefixed with its local rank) and kept in a temporary folder, so that when a rank fails the launch
+exits with that rank's own exit code and names the rank and the last line it wrote to stderr."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["launch", "LaunchError", "max_local_ranks"]
 
@@ -20,7 +26,9 @@ def max_local_ranks() -> int:
 
 
 def launch(nproc: int, script: str, script_args: list[str], max_nproc: int | None = None) -> int:
-    """Run ``script`` on ``nproc`` local ranks; returns 0 when every rank succeeded, 1 otherwise."""
+    """Run ``script`` on ``nproc`` local ranks; returns 0 when every rank succeeded, else the exit code of
+    the rank that failed first (128 + the signal for a rank a signal ended), after one line on stderr naming
+    it and the last line it wrote to stderr."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise LaunchError(f"--nproc must be a positive integer, got {nproc!r}")
     limit = max_nproc if max_nproc is not None else max_local_ranks()
@@ -31,10 +39,41 @@ def launch(nproc: int, script: str, script_args: list[str], max_nproc: int | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    try:
-        torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", script, *script_args])
-    except ChildFailedError as exc:
-        first = next(iter(exc.failures.values()), None)
-        print(f"hcompile launch: a rank failed: {first.message if first else exc}")
-        return 1
+    with tempfile.TemporaryDirectory(prefix="hcompile-launch-") as logs:
+        try:
+            torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "--log-dir", logs,
+                           "--tee", "2", script, *script_args])
+        except ChildFailedError as exc:
+            rank, failure = _first_failure(exc.failures)
+            code = failure.exitcode if failure.exitcode > 0 else 128 + (-failure.exitcode or 1)
+            how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else _signal_name(-failure.exitcode)
+            print(f"hcompile launch: rank {rank} failed ({how}): {_last_stderr_line(logs, failure.local_rank)}",
+                  file=sys.stderr)
+            return code
     return 0
+
+
+def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """(global rank, failure) of the rank that failed on its own first: the launcher ends the others with
+    SIGTERM once one fails, so those come last."""
+    def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        return failure.exitcode == -signal.SIGTERM, failure.timestamp, rank
+
+    return min(failures.items(), key=order)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"signal {signal.Signals(number).name}"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_stderr_line(logs: str, local_rank: int) -> str:
+    """The last non-empty line the rank wrote to stderr (its tee'd log), or a note that there is none."""
+    for log in sorted(Path(logs).glob(f"*/attempt_*/{local_rank}/stderr.log"), reverse=True):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1][:500]
+    return "(nothing on its stderr)"

@@ -4,8 +4,10 @@ nothing changed; a crash while saving leaves the previous checkpoint current; lo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,13 +20,14 @@ from dist_util import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _trainer(strategies=("4x(tp1)", "2x(tp2)", "1x(tp2)+2x(tp1)")):
+def _trainer(strategies=("4x(tp1)", "2x(tp2)", "1x(tp2)+2x(tp1)"), **kwargs):
     import hcompile
     from hcompile.models import Llama, LlamaConfig, init_weights_
 
+    options = {"optimizer_kwargs": {"lr": 1e-2, "weight_decay": 0.1}, **kwargs}
     return hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0)).trainer(loss="causal_lm",
-                            optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
-                            strategies=list(strategies), tokens_per_rank=48, calibrate=False)
+                            optimizer=torch.optim.AdamW, strategies=strategies if strategies == "auto" else
+                            list(strategies), tokens_per_rank=48, calibrate=False, **options)
 
 
 def _batches(n=6):
@@ -50,11 +53,19 @@ def _resume(rank, world, ckpt, strategies):
     return meta["step"], state, losses, trainer.full_state_dict()
 
 
-def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    (losses, saved, final), *_ = run_ranks(4, tmp_path, _save_and_continue, ckpt)
-    step, _, resumed, resumed_final = run_ranks(4, tmp_path, _resume, ckpt, ("4x(tp1)",))[0]
-    assert step == 3 and resumed == losses[3:]  # the same pool and plans: bit for bit
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """A checkpoint saved on 4 ranks after 3 steps, and the run's losses and parameters (one run for the module's
+    tests; they read it, or damage their own copies)."""
+    tmp = tmp_path_factory.mktemp("four")
+    ckpt = str(tmp / "ckpt")
+    return ckpt, run_ranks(4, tmp, _save_and_continue, ckpt)[0]
+
+
+def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path, four_ranks):
+    ckpt, (losses, saved, final) = four_ranks
+    step, _, resumed, resumed_final = run_ranks(4, tmp_path, _resume, ckpt, "auto")[0]
+    assert step == 3 and resumed == losses[3:]  # the checkpoint's pool, the same plans: bit for bit
     for n, p in final.items():
         assert torch.equal(resumed_final[n], p), n
     for _, state, two_ranks, two_final in run_ranks(2, tmp_path, _resume, ckpt, ("2x(tp1)", "1x(tp2)")):
@@ -66,34 +77,45 @@ def test_exact_continuation_and_resharding_to_fewer_ranks(tmp_path):
     assert meta["world_size"] == 4 and set(meta["extra"]) == {"pool", "fixed"}
 
 
-def _damaged(rank, world, ckpt):
+def _damaged_then_override(rank, world, ckpt):
+    """Loads of damaged and missing checkpoints (errors, whether anything changed), then a checkpoint of this
+    run resumed with other explicit arguments (what the second trainer runs with, what was logged)."""
     from runtime.checkpoint import CheckpointError
 
     trainer = _trainer(("2x(tp1)",))
     trainer.train_step(_batches(1)[0])
     before = trainer.full_state_dict()
     errors = []
-    for target in (ckpt, ckpt + "-missing"):
+    for target in (ckpt, ckpt + "-missing", ckpt + "-flipped"):
         try:
             trainer.load(target)
             errors.append(None)
         except CheckpointError as exc:
             errors.append(str(exc))
     unchanged = all(torch.equal(before[n], t) for n, t in trainer.full_state_dict().items())
-    return errors, unchanged
+    return (errors, unchanged), _override(trainer, ckpt + "-own")
 
 
-def test_a_truncated_file_fails_every_rank_fast_and_changes_nothing(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    run_ranks(4, tmp_path, _save_and_continue, ckpt)
+@pytest.fixture(scope="module")
+def two_ranks(four_ranks, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two")
+    ckpt = str(tmp / "ckpt")
+    shutil.copytree(four_ranks[0], ckpt)
+    shutil.copytree(ckpt, ckpt + "-flipped")
     version = Path(ckpt) / (Path(ckpt) / "LATEST").read_text().strip()
     victim = version / "rank2.safetensors"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    results = run_ranks(2, tmp_path, _damaged, ckpt, timeout_s=120)
-    (e0, unchanged0), (e1, unchanged1) = results
+    flipped = Path(ckpt + "-flipped") / version.name / "rank1.safetensors"
+    _flip(flipped, next(k for k in _keys(flipped) if k.startswith("param/")), bits=1)
+    return ckpt, run_ranks(2, tmp, _damaged_then_override, ckpt, timeout_s=180)
+
+
+def test_a_truncated_file_fails_every_rank_fast_and_changes_nothing(two_ranks):
+    _, ((e0, unchanged0), _), ((e1, unchanged1), _) = two_ranks[0], *two_ranks[1]
     assert e0 == e1 and unchanged0 and unchanged1
     assert "loading the checkpoint failed on rank" in e0[0] and "rank2" not in e0[1]
     assert "no checkpoint at" in e0[1]
+    assert "rank1.safetensors is damaged: its sha256 is" in e0[2], e0[2]  # one bit flipped in a weight
 
 
 CRASH = textwrap.dedent("""
@@ -162,3 +184,193 @@ def test_another_model_is_refused():
     meta["params"] = {"v": {"shape": [4, 2], "split_dim": None}}
     with pytest.raises(CheckpointError, match="missing \\['w'\\], unknown \\['v'\\]"):
         _check_layout(meta, layout, torch.optim.SGD([layout.shard], lr=0.1), "x")
+
+
+# --- world-of-one checks of what save and load refuse, on a layout and optimiser of their own ---------------
+
+
+def _keys(file: Path) -> list[str]:
+    raw = file.read_bytes()
+    return [k for k in json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]) if k != "__metadata__"]
+
+
+def _flip(file: Path, key: str, bits: int = 0, nbytes: int = 0) -> None:
+    """Flip the lowest bit of the first byte (``bits=1``) or every bit of the first ``nbytes`` bytes of the
+    data of tensor ``key`` inside a safetensors file; the header stays intact."""
+    raw = bytearray(file.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    a, b = json.loads(raw[8:8 + n])[key]["data_offsets"]
+    assert b - a >= max(nbytes, 1)
+    for i in range(8 + n + a, 8 + n + a + max(nbytes, bits)):
+        raw[i] ^= 0x01 if bits else 0xFF
+    file.write_bytes(bytes(raw))
+
+
+def _adamw():
+    from runtime.fixed_layout import FixedLayout
+
+    g = torch.Generator().manual_seed(0)
+    layout = FixedLayout.from_tensors({"w": torch.randn(16, 8, generator=g), "b": torch.randn(24, generator=g)}, 0, 1)
+    opt = torch.optim.AdamW([layout.shard], lr=0.1, weight_decay=0.1)
+    layout.shard.grad = torch.randn(layout.shard_numel, generator=g)
+    opt.step()
+    return layout, opt
+
+
+def _version(path: Path) -> Path:
+    return path / (path / "LATEST").read_text().strip()
+
+
+@pytest.mark.parametrize("key, bits, nbytes", [("param/w/0", 1, 0), ("exp_avg_sq/w/0", 0, 64)])
+def test_flipped_bytes_in_tensor_data_are_refused_with_nothing_changed(tmp_path, key, bits, nbytes):
+    from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    layout, opt = _adamw()
+    save_checkpoint(tmp_path, layout, opt, step=1, data_position=0)
+    _flip(_version(tmp_path) / "rank0.safetensors", key, bits=bits, nbytes=nbytes)
+    fresh, fresh_opt = _adamw()
+    with torch.no_grad():
+        fresh.shard.mul_(2.0)
+    before, state = fresh.shard.detach().clone(), fresh_opt.state_dict()["state"][0]["exp_avg_sq"].clone()
+    with pytest.raises(CheckpointError, match="rank0.safetensors is damaged: its sha256 is"):
+        load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert torch.equal(fresh.shard.detach(), before)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg_sq"], state)
+
+
+def test_non_finite_values_are_refused_at_save_and_at_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    layout, opt = _adamw()
+    save_checkpoint(tmp_path, layout, opt, step=1, data_position=0)
+    first = _version(tmp_path)
+    with torch.no_grad():
+        layout.shard[20] = float("nan")  # inside 'w'
+    with pytest.raises(CheckpointError, match="master weight of 'w' holds nan .*not saved"):
+        save_checkpoint(tmp_path, layout, opt, step=2, data_position=0)
+    assert _version(tmp_path) == first and sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", first.name]
+    # a file written with an infinity and a checksum that matches it: the load still refuses it
+    file = first / "rank0.safetensors"
+    tensors = load_file(file)
+    tensors["exp_avg_sq/b/0"][3] = float("inf")
+    save_file(tensors, file)
+    meta = json.loads((first / "meta.json").read_text())
+    meta["files"]["rank0.safetensors"] = {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+                                          "bytes": file.stat().st_size}
+    (first / "meta.json").write_text(json.dumps(meta))
+    fresh, fresh_opt = _adamw()
+    before = fresh.shard.detach().clone()
+    with pytest.raises(CheckpointError, match="optimizer state 'exp_avg_sq' of 'b' holds inf"):
+        load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert torch.equal(fresh.shard.detach(), before)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.update(step="3"), "'step' is '3'"),
+    (lambda m: m["pieces"].update(w=[["0", 0, 128]]), "'pieces.w' is"),
+    (lambda m: m["pieces"].update(w=[[0, 0, 100]]), "'pieces.w' covers 100 of the parameter's 128 elements"),
+    (lambda m: m["params"]["w"].update(shape="16x8"), "'params.w' is"),
+    (lambda m: m["optimizer"]["param_groups"][0].update(lr="fast"), "param group 0 has lr='fast'"),
+    (lambda m: m["optimizer"]["param_groups"][0].update(betas=[0.9]), "param group 0 has betas=\\[0.9\\]"),
+    (lambda m: m["files"].pop("rank0.safetensors"), "lists no checksum for rank0.safetensors"),
+    (lambda m: m["extra"].update(pool=["2x(tp1"], fixed="2x(tp1)"), None),  # the trainer's own, not this layer's
+])
+def test_an_edited_meta_json_is_a_checkpoint_error_at_load(tmp_path, edit, needle):
+    from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    layout, opt = _adamw()
+    save_checkpoint(tmp_path, layout, opt, step=3, data_position={"epoch": 0})
+    meta_file = _version(tmp_path) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    edit(meta)
+    meta_file.write_text(json.dumps(meta))
+    fresh, fresh_opt = _adamw()
+    with torch.no_grad():
+        fresh.shard.zero_()
+    groups = [dict(g) for g in fresh_opt.param_groups]
+    if needle is None:
+        load_checkpoint(tmp_path, fresh, fresh_opt)
+        return
+    with pytest.raises(CheckpointError, match=needle):
+        load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert not fresh.shard.detach().any() and [dict(g) for g in fresh_opt.param_groups] == groups
+
+
+@pytest.mark.parametrize("position, needle", [
+    ((3, 4), "data_position is a tuple, which JSON does not give back as it is; pass a list"),
+    ({"epoch": float("nan")}, "data_position\\['epoch'\\] is nan"),
+    ({1: 2}, "data_position has the key 1 \\(int\\)"),
+    ({"cursor": torch.tensor(3)}, "data_position\\['cursor'\\] is a Tensor"),
+])
+def test_a_data_position_json_would_not_give_back_is_refused_at_save(tmp_path, position, needle):
+    from runtime.checkpoint import CheckpointError, save_checkpoint
+
+    layout, opt = _adamw()
+    with pytest.raises(CheckpointError, match=needle):
+        save_checkpoint(tmp_path / "ckpt", layout, opt, step=1, data_position=position)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_save_removes_only_its_own_versions(tmp_path, monkeypatch):
+    from runtime.checkpoint import MARKER, save_checkpoint
+
+    run = tmp_path / "run"
+    for folder in ("tensorboard/events", "corpus", "v00000001-abc"):  # the last: a user's, without the marker
+        (run / folder).mkdir(parents=True)
+        (run / folder / "data.txt").write_text("keep me")
+    (run / "notes.txt").write_text("keep me too")
+    stale = run / ".v00000000-1.tmp"  # what a save that crashed left: its own
+    stale.mkdir()
+    (stale / MARKER).write_text("{}")
+    theirs = _tree(run) - {stale.name, f"{stale.name}/{MARKER}"}
+    layout, opt = _adamw()
+    for step in range(1, 5):
+        save_checkpoint(run, layout, opt, step=step, data_position=step)
+    versions = sorted(p.name for p in run.iterdir() if (p / MARKER).is_file())
+    assert len(versions) == 1 and versions[0] == _version(run).name  # keep=1: the current one
+    assert theirs <= _tree(run) and not stale.exists()
+    for step in range(5, 8):
+        save_checkpoint(run, layout, opt, step=step, data_position=step, keep=2)
+    versions = sorted(p.name for p in run.iterdir() if (p / MARKER).is_file())
+    assert [v[:9] for v in versions] == ["v00000006", "v00000007"] and versions[-1] == _version(run).name
+    assert theirs <= _tree(run)
+    monkeypatch.chdir(run / "corpus")  # save(".") into a working directory with folders of its own
+    before = _tree(run / "corpus")
+    for step in range(3):
+        save_checkpoint(".", layout, opt, step=step, data_position=step)
+    assert before <= _tree(run / "corpus") and theirs <= _tree(run)
+    with pytest.raises(Exception, match="keep must be a positive integer"):
+        save_checkpoint(".", layout, opt, step=9, data_position=0, keep=0)
+
+
+def _override(first, ckpt):
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hcompile").addHandler(Keep())
+    first.save(ckpt, step=1, data_position=1)  # 2x(tp1), lr 1e-2, weight decay 0.1
+    second = _trainer(("1x(tp2)",), optimizer_kwargs={"lr": 5e-3})
+    second.load(ckpt)
+    group = second.optimizer.param_groups[0]
+    stats = second.train_step(_batches(2)[1])
+    return group["lr"], group["weight_decay"], stats.strategy, records
+
+
+def test_explicit_arguments_win_over_the_checkpoint_with_one_logged_line(two_ranks):
+    ckpt, results = two_ranks
+    for rank, (_, (lr, weight_decay, strategy, records)) in enumerate(results):
+        assert lr == 5e-3 and weight_decay == 0.1  # asked lr wins; weight decay, not asked, restored
+        assert strategy == "1x(tp2,pp1)"  # asked, not the checkpoint's 2x(tp1)
+        assert records == ([] if rank else ["resuming from %s: the explicit arguments replace what the checkpoint "
+                                            "held (lr=0.01, strategies ['2x(tp1,pp1)'])" % (ckpt + "-own")])

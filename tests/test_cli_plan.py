@@ -42,6 +42,22 @@ def test_paper_memory_model(capsys):
     assert json.loads(capsys.readouterr().out)["max_tokens"]["(tp16,pp1)"] == 43520
 
 
+def test_progress_of_the_pool_and_of_every_step_and_policy(capsys):
+    from hcompile.tools.simulate import PlanJob, run_plan_job
+
+    seen: dict[str, list[tuple[int, int]]] = {}
+    job = PlanJob(model="llama-32b", hardware="a800-80g", gpus=64, dataset="commoncrawl", global_tokens=40000,
+                  steps=2, seed=0, policies=("hydraulis", "padding"))
+    run_plan_job(job, progress=lambda label, done, total: seen.setdefault(label, []).append((done, total)))
+    assert list(seen) == ["building the strategy pool", "planning steps x policies"]  # the pool comes first
+    tiers = seen["building the strategy pool"]
+    assert [d for d, _ in tiers] == list(range(1, len(tiers) + 1)) and tiers[-1][0] == tiers[-1][1] >= 2
+    assert seen["planning steps x policies"] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert main(["plan", *FAST, "--policy", "padding"]) == 0
+    err = capsys.readouterr().err
+    assert "building the strategy pool" in err and "planning steps x policies" in err
+
+
 def test_table_and_plans_out(tmp_path, capsys):
     plans = tmp_path / "plans.jsonl"
     assert main(["plan", *FAST, "--policy", "hydraulis", "--policy", "homogeneous-token",

@@ -3,7 +3,10 @@ by token budget that are deterministic, cover each epoch's documents exactly onc
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import warnings
 
 import pytest
 import torch
@@ -151,3 +154,88 @@ def test_long_documents_split_or_dropped(tmp_path):
     assert {len(s) for s in dropped.next_batch()} == {3}  # only y, epoch after epoch, up to the budget
     with pytest.raises(DataError, match="long_documents must be 'split' or 'drop', got 'cut'"):
         TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=100, max_len=8, long_documents="cut")
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """A TimeoutError in this (the main) thread after ``seconds``: a loop that never ends fails the test."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"max_len": 1, "min_len": 1}, "max_len must be at least 2"),
+    ({"max_len": 8, "min_len": 9}, "min_len 9 is more than max_len 8: no sequence could be cut"),
+    ({"max_len": 8, "seed": -1}, "seed must be a non-negative integer, got -1"),
+])
+def test_options_that_cannot_cut_a_sequence_are_refused_at_construction(options, needle):
+    with pytest.raises(DataError, match=needle):
+        TokenBatches(Corpus(["some text"]), ByteTokenizer(), tokens_per_batch=64, **options)
+
+
+@pytest.mark.parametrize("documents, options, needle", [
+    (["x" * 20, "y" * 30], {"long_documents": "drop"}, "2 documents: 2 with more than max_len 8 tokens"),
+    (["a", "b", "c"], {}, "3 documents: 3 with fewer than min_len 2 tokens"),
+    (["a", "z" * 20], {"long_documents": "drop"}, "2 documents: 1 with fewer than min_len 2 tokens; 1 with more"),
+])
+def test_a_corpus_that_gives_no_sequence_is_an_error_not_a_spin(documents, options, needle):
+    data = TokenBatches(Corpus(documents), ByteTokenizer(), tokens_per_batch=64, max_len=8, **options)
+    with _deadline(10), pytest.raises(DataError, match=f"no document of the corpus gives a sequence \\({needle}"):
+        data.next_batch()
+
+
+def test_one_character_files_are_an_error_not_a_spin(tmp_path):
+    for i in range(5):
+        (tmp_path / f"{i}.txt").write_text("abcde"[i])
+    data = TokenBatches(Corpus.from_paths(tmp_path), ByteTokenizer(), tokens_per_batch=64, max_len=8)
+    with _deadline(10), pytest.raises(DataError, match="5 documents: 5 with fewer than min_len 2 tokens"):
+        data.next_batch()
+
+
+def test_a_position_of_another_corpus_or_other_options_is_refused():
+    corpus, other = Corpus(["alpha " * 9, "beta " * 7]), Corpus(["gamma " * 9, "delta " * 7])
+    data = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=64, max_len=16, seed=1)
+    data.next_batch()
+    position = json.loads(json.dumps(data.state_dict()))
+    with pytest.raises(DataError, match="not of this corpus"):  # as many documents, other text
+        TokenBatches(other, ByteTokenizer(), tokens_per_batch=64, max_len=16, seed=1).load_state_dict(position)
+    with pytest.raises(DataError, match="a run with max_len=16, this one has 32: its documents are cut otherwise"):
+        TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=64, max_len=32, seed=1).load_state_dict(position)
+    with pytest.raises(DataError, match="a run with long_documents='split', this one has 'drop'"):
+        TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=64, max_len=16, seed=1,
+                     long_documents="drop").load_state_dict(position)
+    larger = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=128, max_len=16, seed=1)
+    larger.load_state_dict(position)  # another batch budget cuts the documents alike: accepted
+    assert (larger.epoch, larger.cursor, larger.taken) == (data.epoch, data.cursor, data.taken)
+
+
+def test_bytes_that_are_not_utf8_are_counted_and_reported_once_or_refused(tmp_path):
+    (tmp_path / "good.txt").write_text("plain text")
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 and \xff\xfe twice")
+    (tmp_path / "rows.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "r\xe9sum\xe9"}\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        corpus = Corpus.from_paths(tmp_path)
+    messages = [str(w.message) for w in caught]
+    assert corpus.replaced_bytes == 5 and len(messages) == 1, messages
+    assert "2 of 3 corpus files hold bytes that are not UTF-8 (5 bytes" in messages[0]
+    assert any("\ufffd" in d for d in corpus.documents)
+    with pytest.raises(DataError, match="bad.txt holds 3 bytes that are not UTF-8 \\(strict=True\\)"):
+        Corpus.from_paths(tmp_path, strict=True)
+
+
+def test_a_parquet_text_column_that_is_not_strings_is_refused(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    with pytest.raises(DataError, match="ints.parquet: column 'text' holds int64, not strings"):
+        Corpus.from_paths(tmp_path / "ints.parquet")

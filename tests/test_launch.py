@@ -14,22 +14,58 @@ dist.destroy_process_group()
 """
 
 
-def test_launch_two_ranks(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script), str(out)],
+def _launch(tmp_path, text: str, *args: str) -> subprocess.CompletedProcess:
+    """``hcompile launch --nproc 2`` of a script holding ``text``, with ``args``."""
+    script = tmp_path / "job.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script), *args],
                           capture_output=True, text=True, timeout=180)
+
+
+def test_launch_two_ranks(tmp_path):
+    proc = _launch(tmp_path, SCRIPT, str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == ["2 gloo 3", "2 gloo 3"]
 
 
-def test_failing_rank_exits_nonzero(tmp_path):
-    script = tmp_path / "bad.py"
-    script.write_text("raise SystemExit(3)\n")
-    proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", "--nproc", "2", str(script)],
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 1 and "a rank failed" in proc.stdout
+BAD = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    print("fatal: rank 1 cannot go on", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(30)  # ended by the launcher once rank 1 has failed
+"""
+
+
+def test_a_failing_rank_gives_its_own_exit_code_and_last_error_line(tmp_path):
+    proc = _launch(tmp_path, BAD)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "hcompile launch: rank 1 failed (exit code 3): fatal: rank 1 cannot go on")
+    proc = _launch(tmp_path, "import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), "
+                             "signal.SIGKILL)\nimport time; time.sleep(30)\n")
+    assert proc.returncode == 137 and "rank 0 failed (signal SIGKILL): (nothing on its stderr)" in proc.stderr
+
+
+EXIT = """
+import atexit, os, sys, torch, torch.distributed as dist
+def report():  # registered first, so it runs after the runtime's own handler
+    open(sys.argv[1] + "." + os.environ["RANK"], "w").write(str(dist.is_initialized()))
+atexit.register(report)
+from runtime.distributed import init_distributed
+ctx = init_distributed(timeout_s=60)
+t = torch.ones(4)
+dist.all_reduce(t)
+"""
+
+
+def test_the_process_group_is_destroyed_before_the_interpreter_finalizes(tmp_path):
+    """A job that ends without destroy_process_group: the runtime destroys it at exit, while the interpreter is
+    alive, so no gloo worker thread touches Python objects during finalization (the rare "terminate called
+    without an active exception" that turned a finished job into exit 1)."""
+    proc = _launch(tmp_path, EXIT, str(tmp_path / "initialized"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(tmp_path / f"initialized.{r}").read_text() for r in range(2)] == ["False", "False"]
 
 
 def test_launch_errors_exit_2(tmp_path):

@@ -4,6 +4,7 @@ dataset on a simulated cluster, with the cost model's estimates. Used by ``hcomp
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ from passes.plan.pool import build_pool
 __all__ = ["PlanJob", "PolicyResult", "PlanReport", "run_plan_job", "format_report"]
 
 BASELINE = "homogeneous-token"
+
+Progress = Callable[[str, int, int], None]
+"""``progress(label, done, total)``: how far a phase of a planning job is."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,8 +195,9 @@ def _profile(job: PlanJob) -> Profile:
     return load_profile_file(job.profile_file) if job.profile_file else load_profile(job.model, job.hardware)
 
 
-def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
-    """Everything before the steps: cost model under the layout, pool, fixed strategy and batches."""
+def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, LengthDataset, list[list[int]]]:
+    """Everything before the steps: cost model under the layout, pool (``progress`` per length tier), fixed
+    strategy and batches."""
     profile = _profile(job)
     runtime = HCOMPILE_RUNTIME if job.memory_model == "hcompile" else None
     dataset, exact = _load_data(job)
@@ -204,17 +209,19 @@ def prepare(job: PlanJob) -> tuple[Planner, LengthDataset, list[list[int]]]:
         layout = default_optimizer_layout(profile, job.gpus, dataset.max_len, runtime)
     cost_model = build_cost_model(profile, layout, runtime)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
-    pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed)
+    tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
+    pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
     return Planner(cost_model, job.gpus, pool, fixed), dataset, batches
 
 
 def run_plan_job(job: PlanJob, plans_out: str | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> tuple[PlanReport, list[StepPlan]]:
-    """Plan every step with every policy; write ``plans_out`` (JSON lines, checked first) atomically at the end."""
+                 progress: Progress | None = None) -> tuple[PlanReport, list[StepPlan]]:
+    """Plan every step with every policy; write ``plans_out`` (JSON lines, checked first) atomically at the end.
+    ``progress(label, done, total)``: the pool's length tiers, then every (step, policy) planned."""
     if plans_out is not None:
         check_output_path(plans_out, "--plans-out")
-    planner, dataset, batches = prepare(job)
+    planner, dataset, batches = prepare(job, progress)
     plans: list[StepPlan] = []
     lines: list[str] = []
     per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
@@ -230,8 +237,8 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
             plans.append(plan)
             lines.append(json.dumps({**plan.to_dict(step=step), "diagnosis": diagnosis.to_dict()},
                                     separators=(",", ":")))
-        if progress is not None:
-            progress(step + 1, len(batches))
+            if progress is not None:
+                progress("planning steps x policies", len(plans), len(batches) * len(job.policies))
     results = {
         name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
                            tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]))
@@ -271,6 +278,6 @@ def format_report(report: PlanReport) -> str:
     return "\n".join(lines)
 
 
-def stderr_progress(done: int, total: int) -> None:
-    """A progress bar of the planned steps on stderr."""
-    progress_bar("planning steps", done, total)
+def stderr_progress(label: str, done: int, total: int) -> None:
+    """A progress bar per phase on stderr (the pool's tiers, the planned steps)."""
+    progress_bar(label, done, total)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -190,9 +190,10 @@ def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.n
 
 
 def build_pool(cost_model: CostModel, gpus: int, dataset: LengthDataset, global_tokens: int, fixed: Strategy,
-               seed: int = 0, batches_per_tier: int | None = None, per_tier: int = 2) -> list[Strategy]:
+               seed: int = 0, batches_per_tier: int | None = None, per_tier: int = 2,
+               progress: Callable[[int, int], None] | None = None) -> list[Strategy]:
     """The pool: the ``per_tier`` best strategies of each length tier that the data reaches, plus ``fixed``;
-    deterministic per seed."""
+    deterministic per seed. ``progress(done, total)`` is called as each tier is done."""
     caps = tier_caps(cost_model, gpus, dataset.max_len)
     if batches_per_tier is None:  # fewer draws when each batch is large: the estimate averages more sequences
         per_batch = max(1.0, global_tokens / dataset.mean_len)
@@ -200,13 +201,15 @@ def build_pool(cost_model: CostModel, gpus: int, dataset: LengthDataset, global_
     rng = np.random.default_rng(seed)
     pool: list[Strategy] = []
     low = 0
-    for cap in caps:
+    for done, cap in enumerate(caps, 1):
         batches = conditional_batches(dataset, global_tokens, low, cap, batches_per_tier, rng)
         if batches:
             for winner in _tier_winners(cost_model, gpus, cap, batches, per_tier):
                 if winner not in pool:
                     pool.append(winner)
         low = cap
+        if progress is not None:
+            progress(done, len(caps))
     if fixed not in pool:
         pool.append(fixed)
     return pool
