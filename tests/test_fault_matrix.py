@@ -27,6 +27,11 @@ from passes.plan.policies import Planner
 fault, ckpt = sys.argv[1], sys.argv[2]
 
 
+def say(*words):  # one write per line: two ranks share the launcher's stdout
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")
+    sys.stdout.flush()
+
+
 def refusals(trainer, ckpt, rank):
     from pathlib import Path
     from hcompile.data import ByteTokenizer, Corpus, DataError, TokenBatches
@@ -37,7 +42,7 @@ def refusals(trainer, ckpt, rank):
     try:  # the same tokens cut into other sequences on rank 1
         trainer.train_step(list(torch.split(ids, [20, 40, 30] if rank == 0 else [30, 20, 40])))
     except BatchError as exc:
-        print("refused", type(exc).__name__, flush=True)
+        say("refused", type(exc).__name__)
     assert trainer.train_step([torch.tensor([1]), torch.tensor([2])]).skipped  # no next-token pair
     run = Path(ckpt).parent / "run"
     if rank == 0:
@@ -55,14 +60,14 @@ def refusals(trainer, ckpt, rank):
     try:
         trainer.load(str(run))
     except CheckpointError as exc:
-        print("refused", type(exc).__name__, "rank1.safetensors is damaged" in str(exc), flush=True)
+        say("refused", type(exc).__name__, "rank1.safetensors is damaged" in str(exc))
     assert (run / "tensorboard").is_dir() and len([p for p in run.iterdir() if p.name.startswith("v")]) == 1
     try:
         TokenBatches(Corpus(["a", "b"]), ByteTokenizer(), tokens_per_batch=64, max_len=8).next_batch()
     except DataError as exc:
-        print("refused", type(exc).__name__, flush=True)
+        say("refused", type(exc).__name__)
     after = trainer.full_state_dict()
-    print("unchanged", all(torch.equal(before[n], t) for n, t in after.items()), flush=True)
+    say("unchanged", all(torch.equal(before[n], t) for n, t in after.items()))
 trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0)).trainer(loss="causal_lm",
                            optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=["2x(tp1)"],
                            tokens_per_rank=64, calibrate=False, plan_timeout_s=8)
