@@ -87,7 +87,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bloom": ("BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
                                        attention_dropout=0.0)),
     "exaone4": ("Exaone4ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=256, sliding_window_pattern=2)),
-    "seed_oss": ("SeedOssForCausalLM", dict(_LLAMA_LIKE, head_dim=8, attention_dropout=0.0)),
+    "seed_oss": ("SeedOssForCausalLM", dict(_LLAMA_LIKE, head_dim=8, attention_dropout=0.0, residual_dropout=0.0)),
     "arcee": ("ArceeForCausalLM", _LLAMA_LIKE),
     "apertus": ("ApertusForCausalLM", dict(_LLAMA_LIKE, head_dim=8)),
     "olmo3": ("Olmo3ForCausalLM", dict(_LLAMA_LIKE, sliding_window=256)),

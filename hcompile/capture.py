@@ -160,6 +160,9 @@ def _trace(model: nn.Module, args: Sequence[torch.Tensor]) -> tuple[dict, Any]:
         raise CaptureError(f"{type(model).__name__} graph-breaks: {_describe_break(exc)}") from exc
     except torch._dynamo.exc.TorchDynamoException as exc:
         raise CaptureError(f"{type(model).__name__} graph-breaks: {_describe_break(exc)}") from exc
+    except Exception as exc:  # noqa: BLE001 - dynamo itself failing on this model: say so, not a bare KeyError
+        raise CaptureError(f"{type(model).__name__} could not be captured: torch.compile failed while tracing it "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
     if not store:
         raise CaptureError(f"{type(model).__name__}: dynamo produced no graph (was the forward already compiled?)")
     return store[0], user_out

@@ -30,7 +30,7 @@ def _worker(rank, world):
     assert w.grad.tolist() == [float(rank + 1)] * 2
 
     x = torch.full((2, 1), float(rank), requires_grad=True)  # gather along dim 1, gradient: own block
-    gathered = TP_ALL_GATHER(x, group, 1, world)
+    gathered = TP_ALL_GATHER(x, group, 1, world, rank)
     assert gathered.tolist() == [[0.0, 1.0], [0.0, 1.0]]
     (gathered * torch.tensor([[1.0, 2.0], [3.0, 4.0]])).sum().backward()
     assert x.grad.flatten().tolist() == ([1.0, 3.0] if rank == 0 else [2.0, 4.0])

@@ -70,7 +70,7 @@ def _check_packed_variant(rank, world, graph_bytes, output_index):
     propagate_vals(gm, [torch.zeros(1, 32, dtype=torch.long)])
     key = VariantKey(scheme=ParallelScheme(tp=world), stage=0, bucket=32)
     variant = build_variant(gm, key, tp_rank=rank, tp_group=dist.group.WORLD.group_name, output_index=output_index,
-                            vocab_parallel=True)
+                            vocab_parallel=True, compile_backend="aot_eager")
     lens = [7, 1, 12, 5]
     ids = torch.randint(0, cfg.vocab, (sum(lens),), generator=torch.Generator().manual_seed(5))
     cu = torch.tensor([0, 7, 8, 20, 25], dtype=torch.int32)
@@ -208,7 +208,7 @@ graph():
     %embedding : [num_users=1] = call_function[target=passes.graph.collectives.vocab_parallel_embedding](args = (%ids, %emb, 5, g), kwargs = {})
     %tp_copy_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_copy.default](args = (%embedding, g), kwargs = {})
     %linear : [num_users=1] = call_function[target=torch._C._nn.linear](args = (%tp_copy_default, %emb, None), kwargs = {})
-    %tp_all_gather_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_all_gather.default](args = (%linear, g, 2, 2), kwargs = {})
+    %tp_all_gather_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_all_gather.default](args = (%linear, g, 2, 2, 1), kwargs = {})
     return (tp_all_gather_default,)"""
 
 

@@ -75,3 +75,21 @@ def test_a_wrong_lowering_is_refused_on_every_rank_before_the_first_step():
     assert "does not train this model correctly" in message and "(tp2,pp1)" in message
     assert "blocks.0.q_norm.weight" in message and "blocks.0.k_norm.weight" in message
     assert all(unchanged for _, unchanged in results)
+
+
+def test_dropout_under_tensor_parallelism_is_refused_by_name():
+    """Ranks would drop a replicated activation with different masks: refused under tp > 1, fine under tp1."""
+    import hcompile
+    from passes.graph.pass_runner import PassError
+    from passes.graph.variant import lower_graph
+    from passes.plan.ir import ParallelScheme
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1,
+        attn_pdrop=0.0, attn_implementation="sdpa"))
+    captured = hcompile.compile(model).captured(16).graph_module
+    assert any("dropout" in str(n.target) for n in captured.graph.nodes)
+    lower_graph(captured, ParallelScheme(tp=1))
+    with pytest.raises(PassError, match="applies dropout p=0.1 under tp=2"):
+        lower_graph(captured, ParallelScheme(tp=2), tp_rank=0, tp_group="g")

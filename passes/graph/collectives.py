@@ -94,34 +94,35 @@ def _setup_share(ctx: Any, inputs: tuple, output: Any) -> None:
 def _share_grad(ctx: Any, grad: torch.Tensor) -> tuple:
     buf = grad.new_zeros((ctx.parts, *grad.shape))  # one row per distinct slice; ranks add into their own
     buf[ctx.index] = grad
-    return all_reduce_tensor(buf, ctx.group)[ctx.index], None, None, None
+    return tp_all_reduce(buf, ctx.group)[ctx.index], None, None, None  # the op, opaque to a tracing compiler
 
 
 tp_grad_share.register_autograd(_share_grad, setup_context=_setup_share)
 
 
 @torch.library.custom_op("hydraulis::tp_all_gather", mutates_args=())
-def tp_all_gather(x: torch.Tensor, group: str, dim: int, world: int) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order; the gradient is this rank's block."""
+def tp_all_gather(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order; the gradient is this rank's (``rank``'s)
+    block. The rank is an argument, not asked of the group, so the backward needs no process group object
+    (a compiler tracing it could not copy one)."""
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group))
     return torch.cat(parts, dim=dim)
 
 
 @tp_all_gather.register_fake
-def _(x: torch.Tensor, group: str, dim: int, world: int) -> torch.Tensor:
+def _(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] *= world
     return x.new_empty(shape)
 
 
 def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
-    _, ctx.group, ctx.dim, ctx.world = inputs
+    _, ctx.group, ctx.dim, ctx.world, ctx.rank = inputs
 
 
 def _gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
-    rank = dist.get_rank(_resolve_process_group(ctx.group))
-    return grad.chunk(ctx.world, dim=ctx.dim)[rank].contiguous(), None, None, None
+    return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
 
 
 tp_all_gather.register_autograd(_gather_grad, setup_context=_setup_gather)

@@ -8,7 +8,8 @@ Owns ``rewrite_packed_attention_pass``. On a graph captured with input (1, T):
   across a sequence boundary (grouped-query attention passes through: the op takes fewer kv heads);
 - every position construction ``torch.arange(T)`` becomes :func:`packed_positions` (each token's index
   inside its own sequence), so learned absolute positions and RoPE both restart at every sequence; an
-  ``arange`` used only to index (a mask builder's query and key indices) stays;
+  ``arange`` used only to index (a mask builder's query and key indices) stays; positions counted as
+  ``cumsum(ones(1, T))`` (OPT) restart the same way;
 - ``cu_seqlens`` (int32, n+1) and ``max_seqlen`` become new graph inputs, after the user's inputs.
 
 An attention mask is accepted when the graph builds it from positions alone (as Hugging Face models do:
@@ -222,6 +223,34 @@ def _check_no_sliced_positions(gm: fx.GraphModule, total: int) -> None:
                             f"({total}); build positions with torch.arange or take a position_ids argument")
 
 
+def _counted_ones(node: fx.Node, total: int) -> bool:
+    """``torch.cumsum(torch.ones(1, T) or torch.ones(T), dim=<the token dim>)``: positions 1..T counted (OPT)."""
+    if node.op != "call_function" or node.target is not torch.cumsum or not node.args:
+        return False
+    ones = node.args[0]
+    if not (isinstance(ones, fx.Node) and ones.op == "call_function" and ones.target is torch.ones):
+        return False
+    shape = tuple(ones.args[0]) if len(ones.args) == 1 and isinstance(ones.args[0], (tuple, list)) else ones.args
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    return shape in ((1, total), (total,)) and dim is not None and dim % len(shape) == len(shape) - 1
+
+
+def _rewrite_counted_positions(graph: fx.Graph, cu_seqlens: fx.Node, total: int) -> int:
+    """Positions counted by a cumulative sum of ones (1..T) restart at every packed sequence too."""
+    counted = [n for n in graph.nodes if _counted_ones(n, total)]
+    for node in counted:
+        ones = node.args[0]
+        dtype = node.kwargs.get("dtype") or ones.kwargs.get("dtype") or torch.get_default_dtype()
+        with graph.inserting_before(node):
+            pos = graph.call_function(packed_positions, (cu_seqlens, total), {"dtype": dtype})
+            one_based = graph.call_function(operator.add, (pos, 1))
+            shaped = graph.call_method("view", (one_based, *_val(node).shape)) if _val(node) is not None else \
+                one_based
+        node.replace_all_uses_with(shaped)
+        graph.erase_node(node)
+    return len(counted)
+
+
 def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return graph.call_method("transpose", (graph.call_method("squeeze", (x, 0)), 0, 1))  # (1,H,T,D) -> (T,H,D)
 
@@ -272,9 +301,11 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
             pos = graph.call_function(packed_positions, (cu_seqlens, total), {"dtype": dtype})
         node.replace_all_uses_with(pos)
         graph.erase_node(node)
+    counted = _rewrite_counted_positions(graph, cu_seqlens, total)
+    graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
     inputs = [n.meta.get("val") for n in placeholders]
     propagate_vals(gm, inputs + [torch.tensor([0, total], dtype=torch.int32, device=device), total])
     return PassResult(graph_module=gm, modified=True,
-                      info={"attention_sites": len(sdpa), "positions": len(aranges), "tokens": total})
+                      info={"attention_sites": len(sdpa), "positions": len(aranges) + counted, "tokens": total})

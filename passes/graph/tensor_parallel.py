@@ -580,7 +580,8 @@ class _Rewriter:
             new.update_arg(lin.x_pos, self.copies[x])
             if role is LinearRole.VOCAB:
                 self.specs[node] = None
-                return self.graph.call_function(TP_ALL_GATHER, (new, self.group, ndim - 1, self.plan.tp))
+                return self.graph.call_function(TP_ALL_GATHER, (new, self.group, ndim - 1, self.plan.tp,
+                                                                self.plan.rank))
             local = sum(self.plan.local_chunks(node.name))
             self.specs[node] = Shard(dim=ndim - 1, frac=Fraction(local, int(node.meta["val"].shape[-1])))
             return new
@@ -634,6 +635,20 @@ def _fetch(gm: fx.GraphModule, name: str) -> torch.Tensor:
     return obj
 
 
+def _refuse_dropout(gm: fx.GraphModule, tp: int) -> None:
+    """Dropout with p > 0 under tensor parallelism: each rank draws its own mask, so a replicated activation
+    would be dropped differently on the ranks that must hold it alike (and no single-device run computes what
+    they do together). Refused, naming the node, rather than trained wrong."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.nn.functional.dropout, torch.dropout):
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+            if p and training:
+                raise PassError(f"tensor parallel: {where(node)} applies dropout p={p} under tp={tp}: the ranks "
+                                "would drop a replicated activation with different masks; set the model's dropout "
+                                "to 0 or train with tp1 schemes")
+
+
 def shard_tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite ``gm`` into rank ``ctx.tp_rank``'s part of a ``ctx.scheme.tp``-way tensor-parallel forward."""
     tp = ctx.scheme.tp
@@ -642,6 +657,7 @@ def shard_tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResu
         return PassResult(graph_module=gm, modified=False)
     if "val" not in next(iter(gm.graph.nodes)).meta:
         propagate_vals(gm)
+    _refuse_dropout(gm, tp)
     vocab_parallel = bool(ctx.option("tensor_parallel.vocab_parallel", False))
     plan = decide_tensor_parallel(gm, tp, ctx.tp_rank, vocab_parallel=vocab_parallel)
     out = _Rewriter(gm, plan, ctx.tp_group).run()

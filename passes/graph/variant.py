@@ -117,14 +117,16 @@ class Variant:
     records: tuple[PassRecord, ...]
     """What each pass did while building it."""
     counter: CompileCounter = field(default_factory=CompileCounter)
-    """Counts torch.compile compilations of this variant (1 after warm-up, unchanged after)."""
+    """Counts torch.compile compilations of this variant (1 after warm-up, unchanged after; 0 with the
+    ``eager`` backend, which compiles nothing)."""
     compiled: Callable = field(default=None)
-    """``torch.compile`` of ``graph_module``."""
+    """``torch.compile`` of ``graph_module`` (``graph_module`` itself with the ``eager`` backend)."""
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor) -> tuple:
         """Run the stage on a packed micro-batch (padded here to the bucket); returns the stage's outputs."""
         ids, cu = pad_to_bucket(input_ids, cu_seqlens, self.key.bucket)
-        torch._dynamo.mark_dynamic(cu, 0)
+        if self.compiled is not self.graph_module:  # torch.compile: the sequence count is dynamic
+            torch._dynamo.mark_dynamic(cu, 0)
         given = {"input_ids": ids[None], "cu_seqlens": cu, "max_seqlen": self.key.bucket}
         if len(boundary) != len(self.boundary_in):
             raise ValueError(f"variant {self.key.describe()} takes {len(self.boundary_in)} boundary tensors "
@@ -190,16 +192,16 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def pad_to_bucket(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad (T,) ids to ``bucket`` tokens; the padding is one extra sequence appended to ``cu_seqlens``."""
+    """Pad (T,) ids to ``bucket`` tokens; the padding is one extra sequence appended to ``cu_seqlens``, empty
+    when T fills the bucket: ``cu_seqlens`` then always has at least 3 entries, so a compiler that meets one
+    sequence first does not specialise the (dynamic) sequence count to it."""
     total = int(input_ids.shape[0])
     if input_ids.dim() != 1 or total > bucket:
         raise ValueError(f"input_ids must be (T,) with T <= bucket {bucket}, got shape {tuple(input_ids.shape)}")
     if cu_seqlens.dtype != torch.int32 or int(cu_seqlens[-1]) != total:
         raise ValueError(f"cu_seqlens must be int32 ending at {total}, got {cu_seqlens.tolist()!r} "
                          f"({cu_seqlens.dtype})")
-    if total == bucket:
-        return input_ids, cu_seqlens
-    ids = torch.cat([input_ids, input_ids.new_zeros(bucket - total)])
+    ids = input_ids if total == bucket else torch.cat([input_ids, input_ids.new_zeros(bucket - total)])
     return ids, torch.cat([cu_seqlens, cu_seqlens.new_tensor([bucket])])
 
 
@@ -266,7 +268,10 @@ def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0
     if boundary_out is None:
         boundary_out = tuple(a.name for a in next(n for n in stage_gm.graph.nodes if n.op == "output").all_input_nodes)
     counter = CompileCounter(compile_backend)
-    compiled = torch.compile(stage_gm, backend=counter, dynamic=False, fullgraph=True)
+    # "eager" compiles nothing: the rewritten graph runs as it is (dynamo would only trace it); any other backend
+    # compiles the stage once per bucket, its sequence count dynamic
+    compiled = stage_gm if compile_backend == "eager" else torch.compile(stage_gm, backend=counter, dynamic=False,
+                                                                          fullgraph=True)
     return Variant(key=key, tp_rank=tp_rank, graph_module=stage_gm, params=params, inputs=inputs,
                    boundary_in=tuple(boundary_in), boundary_out=tuple(boundary_out), output_index=output_index,
                    records=records, counter=counter, compiled=compiled)
