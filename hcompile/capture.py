@@ -244,6 +244,12 @@ def _normalise(
     tensors: dict[str, torch.Tensor] = {**dict(model.named_buffers()), **params, **consts}
     root = nn.Module()
     for name in [n.target for n in graph.nodes if n.op == "get_attr"]:
+        if name not in tensors:  # a subgraph dynamo made (torch.autograd.Function, checkpoint, ...)
+            user = next(n for n in graph.nodes if n.op == "get_attr" and n.target == name).users
+            ops = sorted({str(getattr(u.target, "__name__", u.target)) for u in user})
+            raise CaptureError(f"{type(model).__name__} could not be captured: its forward runs a subgraph "
+                               f"{name!r} through {', '.join(ops)} (a torch.autograd.Function or activation "
+                               "checkpointing inside the model), which hcompile does not rewrite yet")
         _set_path(root, name, tensors[name])
     out = fx.GraphModule(root, graph, class_name=f"Captured{type(model).__name__}")
     out.graph.lint()

@@ -1,8 +1,12 @@
-"""Unmodified Hugging Face models (transformers from the package index, sdpa attention) train with the decorator
-on 4 gloo ranks under 4x(tp1), 1x(tp2)+2x(tp1), 2x(tp2) and 1x(tp2,pp2), replicas running several micro-batches,
-equal to plain single-process SGD at 1e-5: LLaMA and Mistral (GQA through repeat_kv, rotary embeddings from
-position ids, a position-built causal mask, sliding window in Mistral), Qwen2 (q/k/v biases) and GPT-2 (Conv1D
-as addmm, a fused qkv projection split in three, learned positions, tied embeddings)."""
+"""Unmodified Hugging Face models (transformers from the package index, sdpa attention where the family has it)
+train on 4 gloo ranks under 4x(tp1), 1x(tp2)+2x(tp1), 2x(tp2) and 1x(tp2,pp2), replicas running several
+micro-batches, equal to plain single-process SGD at 1e-5, every parameter compared: LLaMA and Mistral (GQA
+through repeat_kv, rotary embeddings from position ids, a position-built causal mask), Qwen2 (q/k/v biases),
+GPT-2 (Conv1D as addmm, a fused qkv projection split in three, learned positions, tied embeddings), and the
+families whose forms tensor parallelism once trained wrong or refused: Qwen3 (per-head q/k norms), Phi-3 (a
+fused qkv sliced by getitem), GPT-NeoX (a chunk after a per-head view, partial rotary), OLMo 2 (an RMSNorm over
+the whole q and k projections) and Gemma 2 (eager attention with a soft cap). The configs are those of
+``benchmarks.hf_families``, which checks more families."""
 
 from __future__ import annotations
 
@@ -14,29 +18,19 @@ transformers = pytest.importorskip("transformers")
 from dist_util import run_ranks  # noqa: E402
 from test_equivalence import reference_sgd  # noqa: E402
 
+from benchmarks import hf_families as families  # noqa: E402
 from passes.graph.variant import TokenBuckets  # noqa: E402
 
 STRATEGIES = ["4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp2,pp2)"]
 BUCKETS = TokenBuckets.powers_of_two(16, 128)
 LENS = [[14, 22, 15, 23, 13, 20, 24, 3, 9], [9, 33, 21, 2, 17, 24, 11, 6], [25, 4, 19, 40, 8, 16, 12],
         [7, 18, 44, 5, 21, 13, 2, 20]]
-VOCAB = 64
+VOCAB = families.VOCAB
 
 
 def make_model(name: str) -> torch.nn.Module:
-    """A small model of the named family, seeded, no dropout."""
-    T = transformers
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, max_position_embeddings=256, attn_implementation="sdpa")
-    if name == "gpt2":
-        cfg = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
-                           attn_pdrop=0.0, **common)
-        return T.GPT2LMHeadModel(cfg)
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, **common)
-    cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-           "mistral": (T.MistralConfig, T.MistralForCausalLM)}[name]
-    return cls[1](cls[0](**sizes))
+    """A small model of the named family (``benchmarks.hf_families``' config), seeded, no dropout."""
+    return families.make_model(name)
 
 
 def _batches() -> list[list[torch.Tensor]]:
@@ -58,7 +52,7 @@ def _train(rank, world, name):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "qwen3", "phi3", "gpt_neox", "olmo2", "gemma2"])
 def test_hf_model_matches_single_process_sgd(tmp_path, name):
     results = run_ranks(4, tmp_path, _train, name, timeout_s=400)
     losses, states = reference_sgd(_HFLogits(make_model(name)), _batches(), 0.5)
