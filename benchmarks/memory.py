@@ -161,16 +161,14 @@ def _full_vector_movement(layout, move) -> dict:
     """The previous runtime's movement for this rank's slices, measured: all-gather of the whole fp32 vector,
     the slices copied out of it, a zeroed full-size gradient buffer with the slices' gradients added in,
     all-reduced (gloo has no reduce-scatter)."""
-    import torch.distributed as dist
-
-    from runtime.fixed_layout import _all_gather
+    from runtime import distributed as comm
 
     meter = LiveBytes(base=layout.shard_numel * 4)
     world, shard = layout.world_size, layout.shard_numel
     with meter:
         meter.mark("pull")
         flat = torch.empty(shard * world)
-        _all_gather(flat, layout.shard.detach())
+        comm.all_gather_into(flat, layout.shard.detach())
         slices = torch.cat([flat[a:b] for a, b in move.ranges])
         del flat
         meter.mark("push")
@@ -180,7 +178,7 @@ def _full_vector_movement(layout, move) -> dict:
         for a, b in move.ranges:
             full[a:b] += grads[pos:pos + b - a]
             pos += b - a
-        dist.all_reduce(full)
+        full = comm.all_reduce(full)
         shard_grad = full[layout.shard_lo:layout.shard_lo + shard].clone()
         del full, grads, slices, shard_grad
     return {"before_received": (world - 1) * shard * 4 + (world - 1) * shard * 4,

@@ -4,8 +4,10 @@ Two ``torch.library`` custom ops, forward and backward, each with a fake impleme
 ``torch.compile(fullgraph=True)`` captures them without a graph break; the forward's autograd formula calls the
 backward op.  ``max_seqlen`` is a ``SymInt`` in both schemas, so with dynamic shapes it is a symbol like the
 token and sequence counts and new lengths do not recompile.  The real implementations validate the values of
-``cu_seqlens`` (a ValueError, before any kernel runs) and dispatch to the Triton kernels, to PyTorch's fused
-CPU flash kernel or to the plain-torch reference, as the already resolved ``kernel`` string says.
+``cu_seqlens`` on the CPU kernels (a ValueError, before any kernel runs) and dispatch to the Triton kernels, to
+PyTorch's fused CPU flash kernel or to the plain-torch reference, as the already resolved ``kernel`` string
+says. The Triton path never reads the offsets back to the host (on a GPU that would stall every call):
+``packed_attention`` checks host offsets before the call, and the runtime builds its own on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from codegen.reference import reference_backward, reference_forward
@@ -41,10 +44,10 @@ def packed_attention_op(
     when there is no cap (not 0.0: a float constant would make dynamo restart its analysis to tensorify it)."""
     softcap = softcap or 0.0
     check_layout(q, k, v, cu_seqlens, max_seqlen, kernel)
-    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
-    if kernel == "triton":
+    if kernel == "triton":  # the offsets are not read back: on a GPU that would synchronise every call
         return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
                               softcap=softcap)
+    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)  # the CPU kernels loop over them anyway
     if kernel == "cpu-flash" and not softcap:
         return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
     return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, softcap=softcap)
@@ -143,6 +146,7 @@ def packed_attention(
     softmax_scale: float | None = None,
     softcap: float | None = None,
     kernel: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Attention within each sequence of a packed batch; differentiable in q, k and v.
 
@@ -153,13 +157,17 @@ def packed_attention(
     ``kernel``:
     "triton", "cpu-flash" (PyTorch's fused CPU kernel), "reference" (plain torch, the oracle) or "auto" (Triton on
     a GPU, cpu-flash on the CPU, the reference elsewhere).  Returns a tensor like q.
-    Contract violations raise ValueError before any kernel runs.  Under torch.compile, compile with dynamic
+    Contract violations raise ValueError before any kernel runs; offsets on a GPU are not read back (that would
+    synchronise), so check them on the host first (``codegen.validation.check_offsets``). ``validate=False``
+    skips the host check too, for callers that build the offsets themselves (the runtime's packed graphs).  Under torch.compile, compile with dynamic
     shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
     lengths and sequence counts reuse the compiled graph.
     """
     check_kernel(kernel)
     resolved = resolve_kernel(kernel, q.device)
     check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
+    if validate and not torch.compiler.is_compiling() and cu_seqlens.device.type == "cpu" and not is_fake(cu_seqlens):
+        check_offsets(cu_seqlens, q.shape[0], max_seqlen)  # host offsets: checked here for every kernel, for free
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None (no cap), got {softcap!r}")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import fx, nn
 
+from codegen.validation import check_kernel
 from hcompile.capture import Captured, capture
 from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
@@ -31,13 +32,20 @@ class CompiledModel:
     """A model with its packed forward and its variants, compiled lazily and cached per bucket."""
 
     def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None,
-                 compile_backend: str = "eager") -> None:
+                 compile_backend: str = "auto", kernel: str = "auto") -> None:
+        check_kernel(kernel)
+        if not isinstance(compile_backend, str) or not compile_backend:
+            raise ValueError(f"compile_backend must be a torch.compile backend name or 'auto', got {compile_backend!r}")
         self.model = model
         self.buckets = buckets
         """Token buckets micro-batches are padded to (None: one graph per exact token count); a trainer without
         buckets of its own uses these."""
         self.compile_backend = compile_backend
-        """The torch.compile backend of the variants."""
+        """The torch.compile backend of the variants: ``auto`` is ``inductor`` for variants that run on a GPU and
+        ``eager`` (no compilation: the rewritten graphs run as they are) on the CPU."""
+        self.kernel = kernel
+        """The packed-attention kernel (``auto``: Triton on a GPU, the CPU flash kernel on the CPU; ``triton``,
+        ``cpu-flash``, ``reference``)."""
         self._captures: dict[int, Captured] = {}
         self._packed: dict[int, fx.GraphModule] = {}
         self._variants: dict[tuple, Variant] = {}
@@ -45,6 +53,13 @@ class CompiledModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
+
+    def backend_for(self, device: torch.device | str | None) -> str:
+        """The torch.compile backend of variants that run on ``device`` (None: the model's own device)."""
+        if self.compile_backend != "auto":
+            return self.compile_backend
+        device = torch.device(device) if device is not None else next(self.model.parameters()).device
+        return "inductor" if device.type == "cuda" else "eager"
 
     def trainer(self, **options: Any) -> "Trainer":
         """A :class:`hcompile.Trainer` of this model: ``options`` are the fields of
@@ -80,7 +95,8 @@ class CompiledModel:
         if tokens not in self._packed:
             source = self.captured(tokens).graph_module
             gm = copy_graph_module(source, class_name="Packed" + type(self.model).__name__)
-            gm, records = run_passes(gm, [*CANONICAL_PASSES, rewrite_packed_attention_pass], PassContext())
+            gm, records = run_passes(gm, [*CANONICAL_PASSES, rewrite_packed_attention_pass],
+                                     PassContext(options={"packed_attention.kernel": self.kernel}))
             self.records.extend(records)
             self._packed[tokens] = gm
         return self._packed[tokens]
@@ -103,23 +119,26 @@ class CompiledModel:
             captured = self.captured(bucket)
             self._variants[(key, tp_rank, tp_group)] = build_variant(
                 captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
-                output_index=captured.output_index, compile_backend=self.compile_backend)
+                output_index=captured.output_index, compile_backend=self.backend_for(None),
+                attention_kernel=self.kernel)
         return self._variants[(key, tp_rank, tp_group)]
 
 
-def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "eager",
-            **unexpected: Any) -> CompiledModel:
+def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "auto",
+            kernel: str = "auto", **unexpected: Any) -> CompiledModel:
     """Compile ``model`` for packed, tensor-parallel and pipeline-split execution (lazily, on first use); train
     it with ``.trainer(...)``.
 
     ``buckets``: token buckets micro-batches are padded to (None: one graph per exact token count);
-    ``compile_backend``: the torch.compile backend of the variants."""
+    ``compile_backend``: the torch.compile backend of the variants (``auto``: ``inductor`` on GPUs, ``eager``,
+    which compiles nothing, on the CPU); ``kernel``: the packed-attention kernel (``auto``, ``triton``,
+    ``cpu-flash``, ``reference``)."""
     if unexpected:
-        raise TypeError(f"hcompile.compile takes buckets and compile_backend, got {sorted(unexpected)}; training "
-                        "options go to hcompile.compile(model).trainer(...)")
+        raise TypeError(f"hcompile.compile takes buckets, compile_backend and kernel, got {sorted(unexpected)}; "
+                        "training options go to hcompile.compile(model).trainer(...)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"hcompile.compile takes an nn.Module, got {type(model).__name__}")
-    return CompiledModel(model, buckets=buckets, compile_backend=compile_backend)
+    return CompiledModel(model, buckets=buckets, compile_backend=compile_backend, kernel=kernel)
 
 
 def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type] | type:

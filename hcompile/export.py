@@ -21,10 +21,10 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from runtime import distributed as comm
 from runtime.fixed_layout import FixedLayout
 
 __all__ = ["save_pretrained", "parse_size"]
@@ -85,11 +85,9 @@ def save_pretrained(model: nn.Module, layout: FixedLayout, path: str | os.PathLi
 
 
 def _agree(error: str | None, world: int) -> None:
-    errors = [error]
-    if world > 1:
-        dist.broadcast_object_list(errors, src=0)
-    if errors[0]:
-        raise ValueError(errors[0])
+    error = comm.broadcast_object(error)  # rank 0 checked the destination
+    if error:
+        raise ValueError(error)
 
 
 def _write_shards(layout: FixedLayout, folder: Path | None, dtype: torch.dtype, limit: int) -> list[str]:

@@ -14,11 +14,11 @@ import dataclasses
 import os
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from passes.plan.cost_model import RuntimeMemory
 from passes.plan.ir import CostModel
+from runtime import distributed as comm
 
 __all__ = ["MemoryCapError", "rank_memory_bytes", "step_bytes_per_token", "tokens_a_rank_holds", "bound_caps"]
 
@@ -72,9 +72,7 @@ def tokens_a_rank_holds(graph: fx.GraphModule, tokens: int, device: torch.device
     memory = rank_memory_bytes(device, local_ranks) * USABLE
     states = params * runtime.sharded_bytes / world_size + params * runtime.compute_bytes + runtime.buffer_bytes
     per_token = step_bytes_per_token(graph, tokens)
-    free = torch.tensor([memory - states], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    free = comm.all_reduce(torch.tensor([memory - states], dtype=torch.float64), "min")
     usable = max(0, int(free.item()))
     return int(usable // per_token), per_token, usable
 

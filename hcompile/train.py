@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from hcompile.api import CompiledModel
@@ -32,6 +31,7 @@ from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
+from runtime import distributed as comm
 from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import DEFAULT_KEEP, load_checkpoint, save_checkpoint
@@ -91,8 +91,7 @@ class TrainOptions:
     calibrate: bool = True
     """Scale each scheme's cost by its measured-over-predicted ratio (median of the last 8 steps,
     ``runtime.calibration``) when planning later steps; False plans with the given cost model throughout.
-    CPU ranks only: on GPUs a rank's busy time is CPU time, not the kernels' time (CUDA events are not
-    wired in yet), so nothing is calibrated there."""
+    A rank's busy time is its compute phase timed by CUDA events on GPUs, its CPU time on the CPU."""
 
     param_dtype: torch.dtype | None = None
     """dtype of the compute copies of the parameters (and of their gradients): None is bfloat16 on GPUs and
@@ -189,6 +188,10 @@ class _VariantStage:
             self._variants[bucket] = v
         return self._variants[bucket]
 
+    def boundary_in(self, tokens: int) -> list:
+        """What this stage receives for a micro-batch of ``tokens`` tokens (its bucket's variant's inputs)."""
+        return self._variant(self.provider.buckets.bucket_for(tokens)).boundary_in_specs()
+
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                  boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         total = int(input_ids.shape[0])
@@ -222,7 +225,8 @@ class CompiledProvider:
             captured = self.captured(bucket)
             self._variants[cache] = build_variant(
                 captured.graph_module, VariantKey(scheme=scheme, stage=stage, bucket=bucket), tp_rank=tp_rank,
-                tp_group=group, output_index=captured.output_index, compile_backend=self.compiled.compile_backend)
+                tp_group=group, output_index=captured.output_index,
+                compile_backend=self.compiled.backend_for(self.device), attention_kernel=self.compiled.kernel)
         return self._variants[cache]
 
     def buffer(self, name: str) -> torch.Tensor:
@@ -234,8 +238,8 @@ class CompiledProvider:
         return buffers[name]
 
     def stage(self, scheme: ParallelScheme, stage: int, tp_rank: int,
-              tp_group: dist.ProcessGroup | None) -> _VariantStage:
-        group = None if tp_group is None else tp_group.group_name
+              tp_group: comm.ProcessGroup | None) -> _VariantStage:
+        group = comm.group_name(tp_group)
         key = (scheme, stage, tp_rank, group)
         if key not in self._stages:
             self._stages[key] = _VariantStage(self, scheme, stage, tp_rank, group)
@@ -332,7 +336,7 @@ class Trainer:
             log.warning("the lowering self-check is skipped: the model has %d parameters, more than "
                         "self_check_max_params=%d (check the same architecture at a smaller size instead)",
                         params, options.self_check_max_params)
-        calibrate = options.calibrate and self.ctx.rank == 0 and self.ctx.device.type == "cpu"
+        calibrate = options.calibrate and self.ctx.rank == 0  # busy times: CUDA events on GPUs, CPU time here
         self.calibration = OnlineCalibration(self.cost_model) if calibrate else None
         """Rank 0's per-scheme correction of the cost model from measured steps (None: not calibrating)."""
         self._service: PlanService | None = None
@@ -388,7 +392,7 @@ class Trainer:
         for strategy in strategies:
             if strategy in self._warm:
                 continue
-            prepare_strategy(strategy, rank=self.ctx.rank, world_size=self.ctx.world_size, cluster=self.cluster,
+            prepare_strategy(strategy, rank=self.ctx.rank, cluster=self.cluster,
                              groups=self.executor.groups, provider=self.provider, self_check=self._self_check,
                              checked=self._checked, vocab=self.vocab_size)
             self._warm.add(strategy)
@@ -409,9 +413,9 @@ class Trainer:
                    next_batch: Sequence[torch.Tensor] | None = None) -> StepStats:
         """Train on one global batch (the same list of 1-D token tensors on every rank). ``strategy`` forces
         one; ``next_batch`` lets rank 0 plan the next step while this one runs."""
-        seq_lens = agree_on_batch(batch, self.vocab_size, self.ctx.device)  # before any other collective
+        seq_lens = agree_on_batch(batch, self.vocab_size)  # before any other collective
         if next_batch is not None:
-            agree_on_batch(next_batch, self.vocab_size, self.ctx.device)
+            agree_on_batch(next_batch, self.vocab_size)
         if global_pair_count(seq_lens) == 0:
             return self._skip(seq_lens, next_batch)
         if self._submitted != (tuple(seq_lens), strategy):
@@ -423,7 +427,7 @@ class Trainer:
         if next_batch is not None:
             self._submit([int(t.numel()) for t in next_batch], None)
         self.last_plan = planned
-        stats = self.executor.run_step(planned.plan, [t.to(self.ctx.device) for t in batch])
+        stats = self.executor.run_step(planned.plan, batch)  # each rank copies only its micro-batches over
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model
             self.calibration.observe(planned.plan, stats.busy_ms)
             self._service.set_cost_model(self.calibration.model())
@@ -544,12 +548,10 @@ def _layout(provider: CompiledProvider, ctx: DistContext, *, init: Init | None,
     named = dict(provider.compiled.model.named_parameters())
     dims = split_dims(canonical_graph(provider.captured(ANALYSIS_TOKENS).graph_module))
     layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
-    source = ["state_dict" if state_dict is not None else "init" if init is not None else "model"]
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(source, src=0)
-    if source[0] == "state_dict":
+    source = comm.broadcast_object("state_dict" if state_dict is not None else "init" if init is not None else "model")
+    if source == "state_dict":
         layout.stream_from_rank0(state_dict if ctx.rank == 0 else None)
-    elif source[0] == "init":
+    elif source == "init":
         if init is None:
             raise ValueError(f"rank 0 initialises the parameters with an initialiser, rank {ctx.rank} has none")
         layout.initialise(init)
@@ -580,9 +582,7 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def _context() -> DistContext:
-    if dist.is_initialized():
-        dist_backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if dist_backend == "nccl" else torch.device("cpu")
-        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), dist_backend=dist_backend,
-                           device=device)
+    if comm.is_initialized():
+        return DistContext(rank=comm.rank(), world_size=comm.world_size(), dist_backend=comm.backend(),
+                           device=comm.group_device())
     return init_distributed()

@@ -13,7 +13,6 @@ import logging
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -21,6 +20,7 @@ from hcompile.capture import without_kv_cache
 from passes.graph.lowering_check import LoweringError, Reference, check_lowering
 from passes.graph.variant import lower_graph
 from passes.plan.ir import ParallelScheme, Strategy
+from runtime import distributed as comm
 from runtime.topology import Cluster, place
 
 if TYPE_CHECKING:
@@ -50,13 +50,9 @@ def model_reference(model: nn.Module, device: torch.device) -> Reference:
     return run
 
 
-def _agree(error: str | None, world_size: int) -> list[str]:
+def _agree(error: str | None) -> list[str]:
     """Every rank's error message (those that failed), the same list on every rank."""
-    if world_size == 1:
-        return [error] if error else []
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, error)
-    return [e for e in everyone if e]
+    return [e for _, e in comm.agree_errors(error)]
 
 
 def _refuse(errors: list[str], what: str) -> None:
@@ -66,7 +62,7 @@ def _refuse(errors: list[str], what: str) -> None:
                                                                      if len(unique) > 4 else ""))
 
 
-def prepare_strategy(strategy: Strategy, *, rank: int, world_size: int, cluster: Cluster, groups: "GroupCache",
+def prepare_strategy(strategy: Strategy, *, rank: int, cluster: Cluster, groups: "GroupCache",
                      provider: "CompiledProvider", self_check: bool, checked: set, vocab: int | None) -> None:
     """Build this rank's stage program of ``strategy`` (its first token bucket) and, with ``self_check``, check
     its lowering on a probe the first time this (scheme, TP rank) is met (``checked`` remembers them).
@@ -81,20 +77,20 @@ def prepare_strategy(strategy: Strategy, *, rank: int, world_size: int, cluster:
         provider.stage(scheme, stage, tp_rank, tp_group)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, whatever it is
         error = f"{scheme.describe()} on rank {rank}: {type(e).__name__}: {e}"
-    _refuse(_agree(error, world_size), f"strategy {strategy.describe()} cannot be lowered")
+    _refuse(_agree(error), f"strategy {strategy.describe()} cannot be lowered")
     if not self_check:
         return
     key = (scheme, tp_rank)
     if key not in checked:  # the ranks that checked before still take part in the agreement below
         checked.add(key)
-        name = None if tp_group is None else tp_group.group_name
+        name = comm.group_name(tp_group)
         try:
             report = _check(provider, scheme, tp_rank, name, vocab)
             error = None if report.ok else report.describe()
             log.debug("lowering check: %s", report.describe())
         except Exception as e:  # noqa: BLE001
             error = f"{scheme.describe()} on rank {rank}: the probe failed: {type(e).__name__}: {e}"
-    _refuse(_agree(error, world_size),
+    _refuse(_agree(error),
             f"strategy {strategy.describe()} does not train this model correctly: its lowering, run on a probe, "
             "computes something else than the model (self_check=False turns this check off; please report the "
             "model)")
@@ -104,7 +100,8 @@ def _check(provider: "CompiledProvider", scheme: ParallelScheme, tp_rank: int, g
            vocab: int | None):
     bucket = provider.buckets.sizes[0]
     captured = provider.captured(bucket)
-    lower: Callable = lambda gm: lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group)  # noqa: E731
+    lower: Callable = lambda gm: lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group,  # noqa: E731
+                                             attention_kernel=provider.compiled.kernel)
     device = torch.device(provider.device) if provider.device is not None else torch.device("cpu")
     dtype = provider.dtype or torch.float32
     return check_lowering(captured.graph_module, scheme, tp_rank=tp_rank, tp_group=group, lower=lower,

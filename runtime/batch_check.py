@@ -14,7 +14,8 @@ import hashlib
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
+
+from runtime import distributed as comm
 
 __all__ = ["BatchError", "agree_on_batch", "local_batch_problem"]
 
@@ -56,26 +57,19 @@ def _digest(batch: Sequence[torch.Tensor], problem: str | None) -> torch.Tensor:
     return torch.tensor([0, len(batch), ids.numel(), *halves], dtype=torch.int64)
 
 
-def agree_on_batch(batch: object, vocab_size: int | None, device: torch.device | None = None) -> list[int]:
+def agree_on_batch(batch: object, vocab_size: int | None) -> list[int]:
     """The sequence lengths of ``batch``, once every rank holds the same well-formed batch (collective when
     the job has more than one rank); otherwise the same :class:`BatchError` on every rank."""
     problem = local_batch_problem(batch, vocab_size)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
+    if comm.world_size() == 1:
         if problem:
             raise BatchError(problem)
         return [int(t.numel()) for t in batch]
-    mine = _digest(batch, problem).to(device or torch.device("cpu"))
-    digests = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(digests, mine)
-    rows = [d.cpu().tolist() for d in digests]
+    rows = [d.cpu().tolist() for d in comm.all_gather(_digest(batch, problem))]  # on the group's device
     if all(r[0] == 0 for r in rows) and all(r == rows[0] for r in rows):
         return [int(t.numel()) for t in batch]
-    messages: list = [None] * world
-    dist.all_gather_object(messages, problem)
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise BatchError(f"rank {rank}: {message}")
+    for rank, message in comm.agree_errors(problem):
+        raise BatchError(f"rank {rank}: {message}")
     differs = next(r for r, row in enumerate(rows) if row != rows[0])
     raise BatchError(f"rank {differs} was given another global batch than rank 0 ({rows[differs][1]} sequences, "
                      f"{rows[differs][2]} tokens against {rows[0][1]}, {rows[0][2]}, or other token ids): every "

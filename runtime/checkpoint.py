@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Collection
 
 import torch
-import torch.distributed as dist
 
+from runtime import distributed as comm
 from runtime.checkpoint_meta import group_problem, json_problem, meta_problem
 from runtime.fixed_layout import FixedLayout
 
@@ -54,22 +54,10 @@ class CheckpointError(RuntimeError):
     same on every rank."""
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _gather(obj: Any) -> list:
-    if _world() == 1:
-        return [obj]
-    out: list = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _agree(error: str | None, action: str, payload: Any = None) -> list:
     """Every rank's error (None: it succeeded); the first one is raised on every rank. Returns every rank's
     ``payload`` when none failed."""
-    gathered = _gather((error, payload))
+    gathered = comm.all_gather_object((error, payload))
     for rank, (message, _) in enumerate(gathered):
         if message is not None:
             raise CheckpointError(f"{action} failed on rank {rank}: {message}")
@@ -136,9 +124,7 @@ def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.opti
     checkpoint's versions older than the last ``keep`` (nothing else in ``path`` is touched)."""
     _agree(_save_problem(step, data_position, keep), "saving the checkpoint")
     path = Path(path)
-    version = [f"v{step:08d}-{time.time_ns():x}"]
-    if _world() > 1:
-        dist.broadcast_object_list(version, src=0)
+    version = [comm.broadcast_object(f"v{step:08d}-{time.time_ns():x}")]  # rank 0's name, everywhere
     tmp = path / f".{version[0]}.tmp"
     error = None
     try:

@@ -1,6 +1,15 @@
-"""torch.distributed set-up: the default process group (NCCL on GPUs, gloo on CPU) with a timeout on every
-collective, destroyed at exit while the interpreter is still whole, and the cache of sub-groups per strategy
-(created once, in the same order on every rank)."""
+"""All of this project's communication between ranks: the one module of the runtime (and of ``hcompile``) that
+calls ``torch.distributed`` (``tests/test_layering.py`` keeps every other module off it; the graph's own
+tensor-parallel collectives are ops in ``passes.graph.collectives``).
+
+Owns the default process group (``cpu:gloo,cuda:nccl`` on GPUs: device tensors travel over NCCL, host metadata
+over gloo; gloo on CPU) with a timeout on every collective, destroyed at exit while the interpreter is still
+whole; the sub-groups a strategy needs (``GroupCache``: its tensor-parallel groups, created once, in the same
+order on every rank); and every collective and point-to-point call the runtime makes. Tensors are moved to
+where their group works (``group_device``) before a call, so no caller hands a host tensor to NCCL: metadata
+the callers build on the host (digests, counts, flags) is placed here. Objects (strings, plans) travel as
+pickles over the CPU side of the group.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,7 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +26,15 @@ import torch.distributed as dist
 from passes.plan.ir import Strategy
 from runtime.topology import Placement
 
-__all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S"]
+__all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S", "ProcessGroup", "Work",
+           "is_initialized", "world_size", "rank", "backend", "group_device", "all_gather_object",
+           "broadcast_object", "agree_errors", "all_reduce", "all_gather", "all_gather_into", "barrier", "send",
+           "recv", "isend", "irecv", "exchange", "group_name", "world_group", "shutdown"]
+
+ProcessGroup = dist.ProcessGroup
+"""A process group (what ``GroupCache.get`` returns; None stands for a group of one rank)."""
+Work = dist.Work
+"""A pending point-to-point operation; ``wait()`` it."""
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -54,11 +72,13 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
     if not dist.is_initialized():
         atexit.register(_destroy_at_exit)
         timeout = datetime.timedelta(seconds=timeout_s)
+        # on GPUs the default group has both sides: device tensors over NCCL, host metadata and objects over gloo
+        backends = "cpu:gloo,cuda:nccl" if dist_backend == "nccl" else dist_backend
         if world_size == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
             # a plain `python train.py`: a world of one, its store in memory (no launcher, no rendezvous)
-            dist.init_process_group(backend=dist_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend=backends, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend=dist_backend, init_method=init_method or "env://", rank=rank,
+            dist.init_process_group(backend=backends, init_method=init_method or "env://", rank=rank,
                                     world_size=world_size, timeout=timeout)
     return DistContext(rank=rank, world_size=world_size, dist_backend=dist_backend, device=device)
 
@@ -86,19 +106,20 @@ class GroupCache:
         self._strategies: set[Strategy] = set()
 
     def prepare(self, placement: Placement) -> None:
-        """Create (once) every group ``placement`` needs: each replica, each TP group, and for each pair of
-        neighbouring pipeline stages, the pair of ranks that exchange activations."""
+        """Create (once) the groups ``placement`` uses: the tensor-parallel group of every stage of every replica
+        (pipeline neighbours talk point to point on the default group, replicas not at all). Under NCCL each
+        group is a communicator, so nothing else is made."""
         if placement.strategy in self._strategies:
             return
-        for replica, ranks in enumerate(placement.replica_ranks):
-            self._make(ranks)
-            stages = placement.tp_groups(replica)
-            for group in stages:
+        for replica in range(len(placement.replica_ranks)):
+            for group in placement.tp_groups(replica):
                 self._make(group)
-            for left, right in zip(stages, stages[1:]):
-                for a, b in zip(left, right):
-                    self._make((a, b))
         self._strategies.add(placement.strategy)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The sizes of the groups made so far (groups of one rank are None, not made)."""
+        return [len(k) for k, g in self._groups.items() if g is not None]
 
     def _make(self, ranks: tuple[int, ...]) -> None:
         key = tuple(sorted(ranks))
@@ -111,3 +132,158 @@ class GroupCache:
         if key not in self._groups:
             raise KeyError(f"no process group for ranks {key}: call prepare() for its strategy on every rank")
         return self._groups[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where things are, and the job's shape
+
+def is_initialized() -> bool:
+    """Whether this process is part of a job (a world of one counts)."""
+    return dist.is_initialized()
+
+
+def world_size() -> int:
+    """Ranks in the job (1 outside one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank (0 outside a job)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def backend() -> str:
+    """``nccl`` (GPUs) or ``gloo``."""
+    name = dist.get_backend()
+    return "nccl" if "nccl" in name else name
+
+
+def group_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where tensors of ``group`` (None: the default group) must be: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and "nccl" in dist.get_backend(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def world_group() -> ProcessGroup | None:
+    """The group of every rank (None in a world of one)."""
+    return dist.group.WORLD if world_size() > 1 else None
+
+
+def group_name(group: ProcessGroup | None) -> str | None:
+    """The name graph ops use to find ``group`` (None for a group of one rank)."""
+    return None if group is None else group.group_name
+
+
+def _on(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    device = group_device(group)
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Objects: host metadata, pickled over the CPU side of the default group
+
+def all_gather_object(obj: Any) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` outside a job)."""
+    if world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agree_errors(error: str | None) -> list[tuple[int, str]]:
+    """(rank, message) of every rank that failed (passed a message), the same list on every rank."""
+    return [(r, e) for r, e in enumerate(all_gather_object(error)) if e]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensors: collectives and point to point, on the group's device
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None) -> torch.Tensor:
+    """``tensor`` reduced (``sum``, ``max`` or ``min``) over ``group``, on the group's device (a new tensor when
+    it had to move, else ``tensor`` itself, reduced in place)."""
+    tensor = _on(tensor, group)
+    if world_size() > 1:
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), in rank order, on the group's device."""
+    tensor = _on(tensor, group)
+    if world_size() == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_into(flat: torch.Tensor, piece: torch.Tensor) -> None:
+    """Every rank's ``piece`` concatenated into ``flat`` (both on the group's device), in rank order."""
+    if world_size() == 1:
+        flat.copy_(piece)
+    else:
+        _all_gather_single(flat, piece.contiguous())
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group``."""
+    if world_size() > 1:
+        dist.barrier(group=group)
+
+
+def send(tensor: torch.Tensor, dst: int) -> None:
+    """Blocking send of ``tensor`` (on the default group's device) to rank ``dst``."""
+    dist.send(_on(tensor, None).contiguous(), dst)
+
+
+def recv(tensor: torch.Tensor, src: int) -> None:
+    """Blocking receive into ``tensor`` (which must be on the default group's device) from rank ``src``."""
+    if tensor.device != group_device(None):
+        raise ValueError(f"receive buffers must be on {group_device(None)}, got {tensor.device}")
+    dist.recv(tensor, src)
+
+
+def isend(tensor: torch.Tensor, dst: int) -> tuple[Work, torch.Tensor]:
+    """Non-blocking send; the work and the tensor it reads (keep both until the work is done)."""
+    tensor = _on(tensor, None).contiguous()
+    return dist.isend(tensor, dst), tensor
+
+
+def irecv(tensor: torch.Tensor, src: int) -> Work:
+    """Non-blocking receive into ``tensor`` (on the default group's device)."""
+    if tensor.device != group_device(None):
+        raise ValueError(f"receive buffers must be on {group_device(None)}, got {tensor.device}")
+    return dist.irecv(tensor, src)
+
+
+def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+    """Post these sends (tensor, to) and receives (buffer, from) together and wait for all of them (pairs of
+    ranks that send to each other at once do not deadlock)."""
+    ops = [dist.P2POp(dist.isend, _on(t, None).contiguous(), peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer) for buf, peer in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def shutdown() -> None:
+    """Leave the job: destroy every process group (before the interpreter finalizes)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

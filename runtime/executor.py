@@ -9,16 +9,17 @@ back to their owners and steps the optimiser on its shard. The compute copy exis
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
 from passes.plan.ir import ParallelScheme, StepPlan, Strategy
+from runtime import distributed as comm
 from runtime.cpu_clock import RankCpuClock
 from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout, ParamSlice
@@ -45,12 +46,17 @@ class StageProgram(Protocol):
                  boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The stage's outputs: the tensors the next stage takes, or ``(logits,)`` (T, vocab) on the last."""
 
+    def boundary_in(self, tokens: int) -> list:
+        """What the stage receives from the previous one for a micro-batch of ``tokens`` tokens, in order: per
+        item a ``(shape, dtype)``, or a list of them for a tuple-valued item (known from the program, so no
+        header travels with the activations)."""
+
 
 class VariantProvider(Protocol):
     """Where stage programs come from (the compiler's variant cache)."""
 
     def stage(self, scheme: ParallelScheme, stage: int, tp_rank: int,
-              tp_group: dist.ProcessGroup | None) -> StageProgram:
+              tp_group: comm.ProcessGroup | None) -> StageProgram:
         """The program of ``stage`` of ``scheme`` for TP rank ``tp_rank``."""
 
     def recompiles(self) -> int:
@@ -92,10 +98,13 @@ class StepStats:
 
 def pack_micro_batch(batch: Sequence[torch.Tensor], indices: Sequence[int],
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Concatenate whole sequences: (input_ids (T,), cu_seqlens int32 (n+1,), max_seqlen)."""
+    """Concatenate whole sequences: (input_ids (T,), cu_seqlens int32 (n+1,), max_seqlen), built on the host
+    from the host batch and copied to ``device``: only these sequences travel, and nothing is read back."""
     seqs = [batch[i] for i in indices]
-    lens = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int32)
-    return torch.cat(seqs).to(device), torch.cumsum(lens, 0, dtype=torch.int32).to(device), int(lens.max())
+    lengths = [int(t.numel()) for t in seqs]  # host tensors: no device read
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    ids = torch.cat([t.cpu() for t in seqs])
+    return ids.to(device, non_blocking=True), cu.to(device, non_blocking=True), max(lengths)
 
 
 class Executor:
@@ -156,19 +165,18 @@ class Executor:
         pairs = global_pair_count(plan.seq_lens)
         turns = len(plan.replicas) if self.take_turns else 0
         for _ in range(min(replica, turns)):  # earlier replicas' turns
-            dist.barrier()
-        busy_start, thread_start = self.cpu_clock.seconds(), time.thread_time()
+            comm.barrier()
+        clock = _BusyClock(self.cpu_clock, self.ctx.device)
         micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in plan.replicas[replica].micro_batches]
         with record_function("hydraulis.compute"):
             if scheme.pp == 1:
-                loss_sum = self._run_local(program, micro, pairs)
+                loss_sum = self._run_local(program, micro, pairs, self.ctx.device)
             else:
                 loss_sum = _Pipeline(self, placement, replica, stage, tp_rank).run(program, micro, pairs)
-        thread_ms = (time.thread_time() - thread_start) * 1e3
-        busy_ms = (self.cpu_clock.seconds() - busy_start) * 1e3
+        clock.stop()
         for _ in range(min(replica, turns), turns):  # this replica's turn ends, then the later ones'
-            dist.barrier()
-        counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else 0.0
+            comm.barrier()
+        counted = loss_sum if (stage == scheme.pp - 1 and tp_rank == 0) else torch.zeros_like(loss_sum)
         params.release_data()  # backward is done: only the gradients are still needed
         if not dry_run:
             self._phase("push")
@@ -181,16 +189,16 @@ class Executor:
         params.release()
         self._phase("end")
         tokens = sum(plan.seq_lens[i] for mb in plan.replicas[replica].micro_batches for i in mb)
-        summary = torch.tensor([counted, busy_ms, float(tokens), thread_ms], dtype=torch.float64,
-                               device=self.ctx.device)
-        gathered = [torch.zeros_like(summary) for _ in range(self.ctx.world_size)]
-        dist.all_gather(gathered, summary)
+        busy_ms, thread_ms = clock.read()  # after the step: a CUDA event is read once, here
+        summary = torch.cat([counted.reshape(1).double(), torch.tensor(
+            [busy_ms, float(tokens), thread_ms], dtype=torch.float64, device=counted.device)])
+        gathered = torch.stack(comm.all_gather(summary)).cpu().tolist()  # the step's one read of device values
         return StepStats(
-            loss=sum(float(g[0]) for g in gathered) / max(1, pairs), tokens=sum(plan.seq_lens),
-            strategy=plan.strategy.describe(), busy_ms=tuple(float(g[1]) for g in gathered),
+            loss=sum(g[0] for g in gathered) / max(1, pairs), tokens=sum(plan.seq_lens),
+            strategy=plan.strategy.describe(), busy_ms=tuple(g[1] for g in gathered),
             wall_ms=(time.perf_counter() - started) * 1e3, recompiles=self.provider.recompiles(),
             traffic=traffic, tokens_per_rank=tuple(int(g[2]) for g in gathered),
-            compute_thread_ms=tuple(float(g[3]) for g in gathered),
+            compute_thread_ms=tuple(g[3] for g in gathered),
         )
 
     def _phase(self, name: str) -> None:
@@ -202,20 +210,49 @@ class Executor:
         return self._moves.get(strategy)
 
     @staticmethod
-    def _run_local(program: StageProgram, micro: list, pairs: int) -> float:
-        total = 0.0
+    def _run_local(program: StageProgram, micro: list, pairs: int, device: torch.device) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the loss sum stays on the device (read once per step)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for ids, cu, max_len in micro:
             (logits,) = program(ids, cu, max_len, ())
             loss = packed_causal_lm_loss_sum(logits, ids, cu)
             (loss / pairs).backward()
-            total += float(loss.detach())
+            total += loss.detach()
         return total
+
+
+class _BusyClock:
+    """A rank's busy time over the compute phase: CUDA events on the current stream on a GPU (the kernels'
+    time, read once the step is over), CPU time of the process less background threads on the CPU."""
+
+    def __init__(self, cpu_clock: RankCpuClock, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.cpu_start, self.thread_start = cpu_clock.seconds(), time.thread_time()
+        self.cpu_clock, self.cpu_ms, self.thread_ms = cpu_clock, 0.0, 0.0
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def stop(self) -> None:
+        self.thread_ms = (time.thread_time() - self.thread_start) * 1e3
+        self.cpu_ms = (self.cpu_clock.seconds() - self.cpu_start) * 1e3
+        if self.cuda:
+            self.end.record()
+
+    def read(self) -> tuple[float, float]:
+        """(busy ms, computing thread's CPU ms)."""
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end), self.thread_ms
+        return self.cpu_ms, self.thread_ms
 
 
 class _Pipeline:
     """1F1B over the replica's stages: stage s runs ``min(pp - s - 1, v)`` forwards ahead, then alternates
-    one forward and one backward, then drains the backwards. Activations go to the same TP rank of the
-    next stage, preceded by their shape; gradients come back the same way."""
+    one forward and one backward, then drains the backwards. Activations go to the same TP rank of the next
+    stage, gradients come back the same way; no header travels: the receiver knows every shape and dtype
+    from its program (``StageProgram.boundary_in`` for the micro-batch's tokens; its own outputs for their
+    gradients), and the loss stays on the device."""
 
     def __init__(self, ex: Executor, placement: Placement, replica: int, stage: int, tp_rank: int):
         groups = placement.tp_groups(replica)
@@ -223,41 +260,29 @@ class _Pipeline:
         self.prev = groups[stage - 1][tp_rank] if stage > 0 else None
         self.next = groups[stage + 1][tp_rank] if stage + 1 < len(groups) else None
         self.device = ex.ctx.device
-        self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self.in_flight: list[tuple[comm.Work, torch.Tensor]] = []
 
-    def _send(self, items: Sequence, dst: int) -> None:
-        """Non-blocking (neighbours sending to each other at once cannot deadlock): a header with the
-        items' structure (a tensor, or a tuple of k tensors) and each tensor's dtype and shape, then the
-        tensors."""
-        structure, leaves = _flatten(items)
-        header = [len(leaves), len(structure), *structure, *([0] * (_MAX_ITEMS - len(structure)))]
+    def _send(self, leaves: Sequence[torch.Tensor], dst: int) -> None:
+        """Non-blocking (neighbours sending to each other at once cannot deadlock), leaf by leaf in order."""
         for t in leaves:
-            header += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
-        header_t = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64)
-        self.in_flight.append((dist.isend(header_t, dst), header_t))
-        for t in leaves:
-            payload = t.detach().contiguous()
-            self.in_flight.append((dist.isend(payload, dst), payload))
+            self.in_flight.append(comm.isend(t.detach(), dst))
 
-    def _recv(self, src: int) -> list:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        dist.recv(header, src)
-        values = header.tolist()
-        n_leaves, n_items = values[0], values[1]
-        structure, pos, leaves = values[2:2 + n_items], 2 + _MAX_ITEMS, []
-        for _ in range(n_leaves):
-            dtype, dims = _DTYPES[values[pos]], values[pos + 1]
-            t = torch.empty(values[pos + 2:pos + 2 + dims], dtype=dtype, device=self.device)
-            pos += 2 + _MAX_DIMS
-            dist.recv(t, src)
-            leaves.append(t)
-        return _unflatten(structure, leaves)
+    def _recv(self, specs: list, src: int) -> list:
+        """Boundary items shaped as ``specs`` (``(shape, dtype)`` or a list of them per item), received."""
+        items = []
+        for spec in specs:
+            group = spec if isinstance(spec, list) else [spec]
+            leaves = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in group]
+            for t in leaves:
+                comm.recv(t, src)
+            items.append(leaves if isinstance(spec, list) else leaves[0])
+        return [tuple(i) if isinstance(i, list) else i for i in items]
 
-    def run(self, program: StageProgram, micro: list, pairs: int) -> float:
+    def run(self, program: StageProgram, micro: list, pairs: int) -> torch.Tensor:
         v = len(micro)
         warmup = min(self.pp - self.stage - 1, v)
         pending: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         order = ["F"] * warmup + ["F", "B"] * (v - warmup) + ["B"] * warmup
         forwards = 0
         for op in order:
@@ -274,60 +299,39 @@ class _Pipeline:
 
     def _forward(self, program: StageProgram, mb: tuple, pairs: int):
         ids, cu, max_len = mb
-        inputs = [] if self.prev is None else self._recv(self.prev)
-        for t in _flatten(inputs)[1]:
+        inputs = [] if self.prev is None else self._recv(program.boundary_in(int(ids.shape[0])), self.prev)
+        for t in _leaves(inputs):
             if t.is_floating_point():
                 t.requires_grad_(True)
         outs = program(ids, cu, max_len, tuple(inputs))
         if self.next is not None:
-            self._send(outs, self.next)
-            return outs, inputs, 0.0
+            self._send(_leaves(outs), self.next)
+            return outs, inputs, torch.zeros((), dtype=torch.float64, device=self.device)
         loss = packed_causal_lm_loss_sum(outs[0], ids, cu)
-        return (loss / pairs,), inputs, float(loss.detach())
+        return (loss / pairs,), inputs, loss.detach()
 
     def _backward(self, outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> None:
         if self.next is None:
             outs[0].backward()
         else:
-            grads = iter(_flatten(self._recv(self.next))[1])
-            pairs = [(o, next(grads)) for o in _flatten(outs)[1] if o.is_floating_point()]
-            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            floating = [o for o in _leaves(outs) if o.is_floating_point()]
+            grads = self._recv([(tuple(o.shape), o.dtype) for o in floating], self.next)
+            pairs = [(o, g) for o, g in zip(floating, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.prev is not None:
             self._send([t.grad if t.grad is not None else torch.zeros_like(t)
-                        for t in _flatten(inputs)[1] if t.is_floating_point()], self.prev)
+                        for t in _leaves(inputs) if t.is_floating_point()], self.prev)
 
 
-def _flatten(items: Sequence) -> tuple[list[int], list[torch.Tensor]]:
-    """Boundary items (tensors, or tuples of tensors) as a structure (-1: a tensor, k: a k-tuple) and leaves."""
-    structure, leaves = [], []
+def _leaves(items: Sequence) -> list[torch.Tensor]:
+    """The tensors of boundary items (tensors, or tuples of tensors), in order."""
+    leaves: list[torch.Tensor] = []
     for item in items:
         if isinstance(item, torch.Tensor):
-            structure.append(-1)
             leaves.append(item)
         elif isinstance(item, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in item):
-            structure.append(len(item))
             leaves.extend(item)
         else:
             raise TypeError(f"a pipeline boundary carries tensors or tuples of tensors, got {type(item).__name__}")
-    if len(structure) > _MAX_ITEMS or len(leaves) > _MAX_LEAVES:
-        raise ValueError(f"a pipeline boundary of {len(structure)} items / {len(leaves)} tensors is too large")
-    return structure, leaves
-
-
-def _unflatten(structure: list[int], leaves: list[torch.Tensor]) -> list:
-    out, pos = [], 0
-    for k in structure:
-        if k == -1:
-            out.append(leaves[pos])
-            pos += 1
-        else:
-            out.append(tuple(leaves[pos:pos + k]))
-            pos += k
-    return out
-
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.float64]
-_MAX_DIMS, _MAX_ITEMS, _MAX_LEAVES = 4, 8, 16
-_HEADER = 2 + _MAX_ITEMS + _MAX_LEAVES * (2 + _MAX_DIMS)
+    return leaves

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from passes.graph.tensor_parallel import ParamSlice
+from runtime import distributed as comm
 
 __all__ = ["ParamSlice", "ParamSpec", "FixedLayout", "full_slice", "Init"]
 
@@ -68,10 +68,6 @@ class ParamSpec:
         order = self.order
         view = flat.view([shape[d] for d in order])
         return view.permute([order.index(d) for d in range(len(shape))]) if self.split_dim else view
-
-
-# torch renamed the flat-tensor all-gather; use the new name where it exists.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class FixedLayout:
@@ -191,10 +187,10 @@ class FixedLayout:
                 if self.rank == 0:
                     stored = spec.stored(state[name].detach().to(torch.float32)).view(-1)
                     piece = stored[lo - spec.offset:hi - spec.offset]
-                    dist.send(piece.to(self.device).contiguous(), owner)
+                    comm.send(piece, owner)
                 elif self.rank == owner:
                     buf = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
-                    dist.recv(buf, 0)
+                    comm.recv(buf, 0)
                     with torch.no_grad():
                         self.shard[lo - self.shard_lo:hi - self.shard_lo].copy_(buf)
 
@@ -214,9 +210,9 @@ class FixedLayout:
                 if owner == 0:
                     target.copy_(piece)
                 else:
-                    dist.recv(target, owner)  # a contiguous slice of the buffer: received in place
+                    comm.recv(target, owner)  # a contiguous slice of the buffer: received in place
             elif self.rank == owner:
-                dist.send(piece.contiguous(), 0)
+                comm.send(piece, 0)
         return None if stored is None else spec.unstore(stored, spec.shape).contiguous()
 
     def views(self, flat: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -231,9 +227,6 @@ class FixedLayout:
         """Every parameter under its original name, gathered from all shards (collective; the one call that
         holds the whole model on each rank)."""
         flat = torch.empty(self.shard_numel * self.world_size, dtype=torch.float32, device=self.device)
-        if self.world_size == 1:
-            flat.copy_(self.shard.detach())
-        else:
-            _all_gather(flat, self.shard.detach().contiguous())
+        comm.all_gather_into(flat, self.shard.detach())
         return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # contiguous, not a view
                 for name, t in self.views(flat).items()}

@@ -13,14 +13,16 @@ IGNORE = -100
 
 
 def next_token_targets(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Targets for a packed batch: the next token, or IGNORE at each sequence's last token and in padding."""
+    """Targets for a packed batch: the next token, or IGNORE at each sequence's last token and in padding.
+    Built without reading any value back to the host (no data-dependent shapes either): on a GPU the micro-batch
+    loop never waits for the device."""
+    total = input_ids.shape[0]
     targets = torch.full_like(input_ids, IGNORE)
     targets[:-1] = input_ids[1:]
-    ends = cu_seqlens[1:].to(torch.long) - 1
-    ends = ends[ends >= 0]
-    targets[ends] = IGNORE
-    targets[int(cu_seqlens[-1]):] = IGNORE
-    return targets
+    boundary = torch.zeros(total + 1, dtype=torch.bool, device=input_ids.device)
+    boundary.index_fill_(0, cu_seqlens[1:].to(torch.long).clamp(max=total), True)  # a sequence starts (or ends)
+    padding = torch.arange(total, device=input_ids.device) >= cu_seqlens[-1]
+    return targets.masked_fill(boundary[1:] | padding, IGNORE)  # token i is last when a boundary is at i + 1
 
 
 def packed_causal_lm_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor,

@@ -8,10 +8,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
 from passes.plan.policies import Planner
+from runtime import distributed as comm
 from runtime.cpu_clock import RankCpuClock
 
 __all__ = ["PlanService", "PlannedStep", "PlanTimeout", "DEFAULT_PLAN_TIMEOUT_S"]
@@ -100,9 +99,7 @@ class PlanService:
                 plan, plan_ms, error = self._result
             self._thread = None
             payload = [(plan, plan_ms, hidden, error)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(payload, src=0)
-        plan, plan_ms, hidden, error = payload[0]
+        plan, plan_ms, hidden, error = comm.broadcast_object(payload[0])
         if error is not None:  # the same exception on every rank, so that every rank stops or goes on alike
             raise error
         return PlannedStep(plan=plan, plan_ms=plan_ms, hidden=hidden)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
+from runtime import distributed as comm
 from runtime.fixed_layout import FixedLayout
 
 __all__ = ["Traffic", "Redistribution", "intersect", "DEFAULT_CHUNK_NUMEL"]
@@ -110,11 +110,7 @@ class Redistribution:
     @classmethod
     def build(cls, layout: FixedLayout, mine: Ranges, chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> "Redistribution":
         """Collective: every rank passes the flat ranges it computes with."""
-        needs: list = [None] * layout.world_size
-        if layout.world_size == 1:
-            needs = [list(mine)]
-        else:
-            dist.all_gather_object(needs, [tuple(r) for r in mine])
+        needs = comm.all_gather_object([tuple(r) for r in mine])
         return cls(layout, [list(map(tuple, n)) for n in needs], chunk_numel)
 
     @property
@@ -141,14 +137,14 @@ class Redistribution:
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
             n_send, (r_start, n_recv) = _size(self.serves[to]), self.segments[frm]
             for c in range(0, max(n_send, n_recv), self.chunk):
-                ops = []
+                sends, recvs = [], []
                 if c < n_send:
-                    ops.append(dist.P2POp(dist.isend, self._gather(shard, self.serves[to], c, n_send, flat.dtype), to))
+                    sends.append((self._gather(shard, self.serves[to], c, n_send, flat.dtype), to))
                     sent += min(self.chunk, n_send - c) * size
                 if c < n_recv:
-                    ops.append(dist.P2POp(dist.irecv, flat[r_start + c:r_start + min(n_recv, c + self.chunk)], frm))
+                    recvs.append((flat[r_start + c:r_start + min(n_recv, c + self.chunk)], frm))
                     received += min(self.chunk, n_recv - c) * size
-                _wait(ops)
+                comm.exchange(sends, recvs)
         return Traffic(params_received=received, params_sent=sent)
 
     def push(self, layout: FixedLayout, grads: torch.Tensor, reduce_dtype: torch.dtype = torch.float32) -> Traffic:
@@ -166,16 +162,16 @@ class Redistribution:
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
             (s_start, n_send), n_recv = self.segments[to], _size(self.serves[frm])
             for c in range(0, max(n_send, n_recv), self.chunk):
-                ops, buf = [], None
+                sends, recvs, buf = [], [], None
                 if c < n_send:
                     piece = grads[s_start + c:s_start + min(n_send, c + self.chunk)].to(reduce_dtype)
-                    ops.append(dist.P2POp(dist.isend, piece, to))
+                    sends.append((piece, to))
                     sent += piece.numel() * size
                 if c < n_recv:
                     buf = torch.empty(min(self.chunk, n_recv - c), dtype=reduce_dtype, device=grads.device)
-                    ops.append(dist.P2POp(dist.irecv, buf, frm))
+                    recvs.append((buf, frm))
                     received += buf.numel() * size
-                _wait(ops)
+                comm.exchange(sends, recvs)
                 if buf is not None:
                     for pos, off, n in _pieces(self.serves[frm], c, buf.numel()):
                         shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
@@ -187,9 +183,3 @@ class Redistribution:
         parts = [shard[off:off + n] for _, off, n in _pieces(ranges, start, min(self.chunk, total - start))]
         joined = parts[0] if len(parts) == 1 else torch.cat(parts)
         return joined.to(dtype).contiguous()
-
-
-def _wait(ops: list) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()

@@ -66,6 +66,9 @@ class StagedProgram:
     def bind(self, params):
         self.params = dict(params)
 
+    def boundary_in(self, tokens):
+        return [((tokens, HIDDEN), torch.float32)] if self.stage > 0 else []
+
     def __call__(self, ids, cu_seqlens, max_seqlen, boundary):
         return (forward_stage(self.params, self.stage, self.pp, boundary[0] if boundary else ids, cu_seqlens),)
 

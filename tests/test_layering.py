@@ -60,3 +60,37 @@ def test_checker_sees_a_violation(tmp_path):
     bad.write_text("import runtime.x\nfrom hcompile import y\nfrom passes.graph.variant import z\n")
     assert _imported_packages(bad) == {"runtime", "hcompile", "passes"}
     assert "passes.graph.variant" in _imports(bad)
+
+
+DISTRIBUTED_MODULES = {"runtime/distributed.py", "passes/graph/collectives.py"}
+"""The only modules that may import torch.distributed: the runtime's one communication module, and the
+graph's tensor-parallel ops (device tensors by construction)."""
+
+
+LAUNCHER = ("torch.distributed.run", "torch.distributed.elastic")
+"""torch's launcher (``hcompile launch`` wraps torchrun): starting processes, not communicating."""
+
+
+def _uses_torch_distributed(path: Path) -> bool:
+    return any((n == "torch.distributed" or n.startswith("torch.distributed."))
+               and not n.startswith(LAUNCHER) for n in _imports(path)) or \
+        "torch.distributed" in {f"{n}.{a.name}" for node in ast.walk(ast.parse(path.read_text()))
+                                if isinstance(node, ast.ImportFrom) and (n := node.module) == "torch"
+                                for a in node.names}
+
+
+def test_only_the_communication_module_calls_torch_distributed():
+    files = sorted(f for p in PROJECT for f in (ROOT / p).rglob("*.py"))
+    users = {str(f.relative_to(ROOT)) for f in files if _uses_torch_distributed(f)}
+    assert users == DISTRIBUTED_MODULES, (f"torch.distributed is used by {sorted(users - DISTRIBUTED_MODULES)}; "
+                                          "go through runtime.distributed instead")
+
+
+def test_the_distributed_check_sees_every_form(tmp_path):
+    for text in ("import torch.distributed as dist\n", "from torch import distributed\n",
+                 "from torch.distributed import all_reduce\n"):
+        f = tmp_path / "m.py"
+        f.write_text(text)
+        assert _uses_torch_distributed(f), text
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\nfrom torch.distributed.run import main\n")
+    assert not _uses_torch_distributed(tmp_path / "m.py")

@@ -147,10 +147,9 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
                 bucket_sizes: tuple[int, ...], show: bool) -> dict:
     """In each of ``world`` ranks: CPU ms (computing and communication threads, as the executor's busy time) of
     forward+backward of every pack on this rank's TP slice, and the bytes saved for backward at two sizes."""
-    import torch.distributed as dist
-
     from hcompile.api import CompiledModel
     from hcompile.train import CompiledProvider
+    from runtime import distributed as comm
     from runtime.cpu_clock import RankCpuClock
     from runtime.executor import pack_micro_batch
     from runtime.fixed_layout import FixedLayout
@@ -161,7 +160,7 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     buckets = TokenBuckets(sizes=bucket_sizes)
     provider = CompiledProvider(CompiledModel(net, buckets=buckets), buckets)
     scheme = ParallelScheme(tp=world)
-    program = provider.stage(scheme, 0, rank, dist.group.WORLD if world > 1 else None)
+    program = provider.stage(scheme, 0, rank, comm.world_group())
     full = dict(net.named_parameters())
     params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices, world)
     program.bind(params.params)

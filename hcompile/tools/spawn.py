@@ -5,7 +5,6 @@ file. A failed or hung rank ends the job with a clear error, never a hang."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import tempfile
@@ -26,18 +25,19 @@ class RankError(RuntimeError):
 def _entry(rank: int, world: int, tmp: str, fn: Callable, args: tuple, timeout_s: float, dist_backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
-    import torch.distributed as dist
+
+    from runtime import distributed as comm
 
     torch.set_num_threads(1)  # per-rank busy time means "one core per rank"
     out = Path(tmp) / f"rank{rank}.pkl"
     try:
         if dist_backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(dist_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+            os.environ["LOCAL_RANK"] = str(rank)  # rank r on GPU r
+        comm.init_distributed(init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout_s=timeout_s,
+                              dist_backend=dist_backend)
         result = fn(rank, world, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        comm.barrier()
+        comm.shutdown()
         out.write_bytes(pickle.dumps(("ok", result)))
     except BaseException:
         out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
