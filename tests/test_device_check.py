@@ -250,7 +250,7 @@ def test_part_c_trains_on_the_cpu_equal_to_fp32_eager_without_recompiling(tmp_pa
 
 
 def test_part_d_profiles_and_plans_on_the_cpu(tmp_path):
-    written, planned = dc.check_profile(tmp_path, device=None, measured_on="cpu (")
+    written, planned = dc.check_profile(tmp_path, device=None, measured_on="cpu")
     assert written.passed and planned.passed, (written, planned)
     assert written.numbers["b"] > 0 and planned.numbers["policies"] >= 2
 
