@@ -1,7 +1,7 @@
 """Packed (varlen) causal attention benchmark: the generated Triton op against PyTorch's attention paths.
 
-``python -m benchmarks.attention`` (GPU): for three length mixes (uniform 512-8K, a long-tail mix, one 32K
-sequence) it times forward and forward+backward of
+``python -m benchmarks.attention`` (GPU): for four length mixes (short 64-512, uniform 512-8K, a long-tail mix,
+one 32K sequence) it times forward and forward+backward of
 
 - ``hydraulis``: ``codegen.packed_attention(..., kernel="triton")`` on the packed batch;
 - ``varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` on the packed batch, where it exists;
@@ -91,7 +91,8 @@ class Row:
 
 
 def length_mixes(tokens: int, seed: int) -> dict[str, list[int]]:
-    """The three length mixes: uniform 512-8K and a long tail up to ``tokens``, and one 32K sequence."""
+    """The four length mixes: short (64-512), uniform 512-8K and a long tail up to ``tokens``, and one 32K
+    sequence."""
     rng = random.Random(seed)
 
     def fill(draw: Callable[[], int]) -> list[int]:
@@ -103,11 +104,9 @@ def length_mixes(tokens: int, seed: int) -> dict[str, list[int]]:
     def long_tail() -> int:  # mostly short sequences, a few very long ones (log-normal, median ~700)
         return max(16, min(16384, int(rng.lognormvariate(6.5, 1.2))))
 
-    return {
-        "uniform-512-8k": fill(lambda: rng.randint(512, 8192)),
-        "long-tail": fill(long_tail),
-        "one-32k": [32768],
-    }
+    uniform, tail = fill(lambda: rng.randint(512, 8192)), fill(long_tail)
+    short = fill(lambda: rng.randint(64, 512))  # drawn last: the other mixes stay as they were
+    return {"short-64-512": short, "uniform-512-8k": uniform, "long-tail": tail, "one-32k": [32768]}
 
 
 def attention_flops(lengths: list[int], heads_q: int, head_dim: int, *, causal: bool = True) -> float:

@@ -48,8 +48,9 @@ def test_flops_formula():
 
 def test_length_mixes_fill_the_budget():
     mixes = attention.length_mixes(65536, seed=0)
-    assert set(mixes) == {"uniform-512-8k", "long-tail", "one-32k"}
-    assert sum(mixes["uniform-512-8k"]) == sum(mixes["long-tail"]) == 65536
+    assert set(mixes) == {"short-64-512", "uniform-512-8k", "long-tail", "one-32k"}
+    assert sum(mixes["short-64-512"]) == sum(mixes["uniform-512-8k"]) == sum(mixes["long-tail"]) == 65536
+    assert max(mixes["short-64-512"]) <= 512
     assert mixes["one-32k"] == [32768]
     assert all(length <= 8192 for length in mixes["uniform-512-8k"])
     assert min(mixes["long-tail"]) < 512 and max(mixes["long-tail"]) > 4096

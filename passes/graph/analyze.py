@@ -4,8 +4,9 @@ Owns the node classification (linear, attention, norm, elementwise, embedding, v
 sites with their head counts, the per-token linear FLOPs, the per-sequence quadratic attention FLOPs and
 the parameter bytes of a captured graph (:func:`analyze_graph`), and the analytic
 :class:`passes.plan.ir.CostModel` built from them and a :class:`Hardware` description
-(:func:`analytic_cost_model`). Works on torch-level graphs from capture, on fake or meta tensors, so a
-70B-shaped model can be analysed without allocating it. Reads ``meta["val"]`` of nodes for shapes.
+(:func:`analytic_cost_model`; the GPU presets are in :mod:`passes.graph.hardware`). Works on torch-level
+graphs from capture, on fake or meta tensors, so a 70B-shaped model can be analysed without allocating it.
+Reads ``meta["val"]`` of nodes for shapes.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def analyze_graph(gm: fx.GraphModule) -> GraphAnalysis:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
-    """One accelerator kind, as the analytic cost model needs it."""
+    """One accelerator kind, as the analytic cost model needs it. GPU presets from vendor datasheets, and the
+    mapping from a CUDA device name to one, are in :mod:`passes.graph.hardware`."""
 
     name: str
     """E.g. ``a800-80g``."""
@@ -305,7 +307,18 @@ class Hardware:
     reserved_gib: float = 15.0
     """Memory not available to the model (framework, fragmentation, safety)."""
     link_gbps: float = 200.0
-    """Intra-node all-reduce bus bandwidth, GB/s."""
+    """Intra-node bandwidth of one device in one direction, GB/s (NVLink: the datasheet's bidirectional
+    figure over two): what a ring all-reduce inside a node moves data at."""
+    network_gbps: float = 25.0
+    """Inter-node bandwidth of one device in one direction, GB/s (25: one 200 Gb/s InfiniBand HDR port per
+    GPU): what a ring all-reduce over a tensor-parallel group wider than a node moves data at."""
+    hbm_gbps: float | None = None
+    """Device memory bandwidth, GB/s; None: not modelled. When given, every micro-batch is also charged the
+    activations it keeps written in the forward and read back in the backward at this bandwidth (a lower
+    bound on the norms' and elementwise ops' memory-bound time)."""
+    latency_us: float = 0.0
+    """Start-up time of one collective or point-to-point message, microseconds, charged per tensor-parallel
+    all-reduce and per pipeline boundary message of a micro-batch."""
     activation_bytes: float = 36.0
     """Activation bytes kept per (token x hidden x layer) per TP rank."""
     dtype_bytes: int = 2
@@ -317,18 +330,23 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "linear_efficiency", "attention_efficiency", "memory_gib", "link_gbps",
-                     "activation_bytes"):
+                     "network_gbps", "activation_bytes") + (("hbm_gbps",) if self.hbm_gbps is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"hardware {name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.latency_us, (int, float)) or not 0 <= self.latency_us < math.inf:
+            raise ValueError(f"hardware latency_us must be a finite number >= 0, got {self.latency_us!r}")
         if self.linear_efficiency > 1 or self.attention_efficiency > 1:
             raise ValueError(f"efficiencies must be <= 1, got {self.linear_efficiency!r}, "
                              f"{self.attention_efficiency!r}")
 
     @classmethod
     def a800(cls) -> "Hardware":
-        """NVIDIA A800 80GB, bf16 (312 TFLOP/s dense), NVLink 200 GB/s."""
-        return cls(name="a800-80g", peak_tflops=312.0)
+        """NVIDIA A800-SXM4-80GB: the ``a800-80g`` preset of :mod:`passes.graph.hardware` (bf16 312 TFLOP/s
+        dense, NVLink 400 GB/s bidirectional)."""
+        from passes.graph.hardware import hardware_preset
+
+        return hardware_preset("a800-80g")
 
 
 def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme, world_size: int,
@@ -337,15 +355,21 @@ def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme, world_
     flops_ms = hw.peak_tflops * 1e12 / 1e3  # FLOPs per ms
     layers, hidden = max(an.layers, 1), max(an.hidden, 1)
     b = 3.0 * an.linear_flops_per_token / gpus / (flops_ms * hw.linear_efficiency)
-    # Megatron TP: 2 all-reduces per layer forward and 2 backward, ring cost 2(tp-1)/tp of the message.
+    # Megatron TP: 2 all-reduces per layer forward and 2 backward, ring cost 2(tp-1)/tp of the message, over the
+    # network when the group is wider than a node (bytes per ms = GB/s * 1e6).
     ring = 2.0 * (scheme.tp - 1) / scheme.tp
-    b += 4.0 * layers / scheme.pp * ring * hidden * hw.dtype_bytes / (hw.link_gbps * 1e9 / 1e3)
+    link = hw.link_gbps if scheme.tp <= hw.gpus_per_node else hw.network_gbps
+    b += 4.0 * layers / scheme.pp * ring * hidden * hw.dtype_bytes / (link * 1e6)
+    # Activations kept per token over all layers (1F1B: the first stage holds pp micro-batches of layers/pp).
+    per_token = layers * hidden / scheme.tp * hw.activation_bytes
+    if hw.hbm_gbps is not None:  # written in the forward, read back in the backward
+        b += 2.0 * per_token / scheme.pp / (hw.hbm_gbps * 1e6)
     a = 3.0 * an.attention_flops_per_seq_sq / gpus / (flops_ms * hw.attention_efficiency)
-    c = hw.fixed_ms_per_layer * layers / scheme.pp
+    messages = (4.0 * layers / scheme.pp if scheme.tp > 1 else 0.0) + (2.0 if scheme.pp > 1 else 0.0)
+    c = hw.fixed_ms_per_layer * layers / scheme.pp + messages * hw.latency_us / 1e3
     states = (an.param_count * runtime.sharded_bytes / world_size + an.param_count / gpus * runtime.compute_bytes
               + runtime.buffer_bytes)
     free = (hw.memory_gib - hw.reserved_gib) * 2**30 - states
-    per_token = layers * hidden / scheme.tp * hw.activation_bytes
     max_tokens = max(0, int(free // per_token) // 128 * 128) if free > 0 else 0
     return SchemeCost(scheme=scheme, a=a, b=b, c=c, max_tokens=max_tokens)
 
