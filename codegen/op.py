@@ -154,14 +154,13 @@ def packed_attention(
     (GQA, MQA); cu_seqlens: int32 (num_seqs + 1) offsets from 0 to total_tokens, non-decreasing; max_seqlen:
     an upper bound on the longest sequence.  ``softmax_scale`` defaults to 1/sqrt(head_dim).  ``softcap`` (None:
     no cap) caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2; the CPU then runs the reference).
-    ``kernel``:
-    "triton", "cpu-flash" (PyTorch's fused CPU kernel), "reference" (plain torch, the oracle) or "auto" (Triton on
-    a GPU, cpu-flash on the CPU, the reference elsewhere).  Returns a tensor like q.
+    ``kernel``: "triton", "cpu-flash" (PyTorch's fused CPU kernel), "reference" (plain torch, the oracle) or
+    "auto" (Triton on a GPU, cpu-flash on the CPU, the reference elsewhere).  Returns a tensor like q.
     Contract violations raise ValueError before any kernel runs; offsets on a GPU are not read back (that would
     synchronise), so check them on the host first (``codegen.validation.check_offsets``). ``validate=False``
-    skips the host check too, for callers that build the offsets themselves (the runtime's packed graphs).  Under torch.compile, compile with dynamic
-    shapes (``dynamic=True``, or mark the token dims dynamic and pass a bucketed ``max_seqlen``) so that new
-    lengths and sequence counts reuse the compiled graph.
+    skips the host check too, for callers that build the offsets themselves (the runtime's packed graphs).
+    Under torch.compile, compile with dynamic shapes (``dynamic=True``, or mark the token dims dynamic and pass
+    a bucketed ``max_seqlen``) so that new lengths and sequence counts reuse the compiled graph.
     """
     check_kernel(kernel)
     resolved = resolve_kernel(kernel, q.device)
