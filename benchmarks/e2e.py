@@ -32,7 +32,7 @@ from benchmarks.provenance import commit
 from hcompile.data import ByteTokenizer, Corpus, DataError, TokenBatches, python_stdlib
 from hcompile.tools.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
 from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
-from hcompile.train import ANALYSIS_TOKENS, cpu_cost_model
+from hcompile.train import ANALYSIS_TOKENS, default_cost_model
 from passes.plan.cost_model import load_profile_file
 from passes.plan.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
 from passes.plan.ir import CostModel, ParallelScheme, PlanError
@@ -93,6 +93,9 @@ class E2EConfig:
     """Replicas compute one after the other within a step (``Executor.take_turns``) so that every rank's busy
     time is measured with the cores to itself: ``on``, ``off``, or ``auto`` (on when the ranks outnumber the
     cores this process may use)."""
+    compile_backend: str = "auto"
+    """torch.compile backend of the variants (``auto``: eager on the CPU, which compiles nothing; ``inductor``,
+    ``aot_eager``)."""
 
     def __post_init__(self) -> None:
         if self.model not in CPU_MODELS:
@@ -165,7 +168,7 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
         from hcompile.tools.profile import build_model
 
         captured = CompiledModel(build_model(cfg.model)).captured(ANALYSIS_TOKENS).graph_module
-        return cpu_cost_model(captured, cfg.model, cfg.ranks, cfg.tokens_per_rank), {"cost": "analytic"}
+        return default_cost_model(captured, cfg.model, cfg.ranks, cfg.tokens_per_rank), {"cost": "analytic"}
     if cfg.cost == "profile":
         job = ProfileJob(model=cfg.model, tps=cfg.tps, tokens_per_rank=cfg.tokens_per_rank, gpus=cfg.ranks,
                          seed=cfg.seed)
@@ -208,7 +211,8 @@ def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("result
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
                   tokens=None if tokens is None else tuple(tuple(map(tuple, b)) for b in tokens),
                   warmup=cfg.warmup, tokens_per_rank=cfg.tokens_per_rank, buckets=buckets.sizes, cost_model=cost_model,
-                  dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns)
+                  dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns,
+                  compile_backend=cfg.compile_backend)
     started = time.perf_counter()
     records = run_local_ranks(cfg.ranks, rank_main, job, timeout_s=cfg.timeout_s)[0]
     return {"config": {**asdict(cfg), "policies": list(cfg.policies), "tps": list(cfg.tps),
@@ -334,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a policy, repeatable (default: {', '.join(DEFAULT_POLICIES)})")
     p.add_argument("--cost", default=d.cost, help="profile (fit here first), analytic, or a profile JSON file")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed ({d.seed})")
+    p.add_argument("--compile-backend", default=d.compile_backend,
+                   help=f"torch.compile backend of the variants: auto, eager, aot_eager, inductor "
+                        f"({d.compile_backend})")
     p.add_argument("--take-turns", choices=("auto", "on", "off"), default=d.take_turns,
                    help="replicas compute one after the other, so that each rank's busy time is measured with the "
                         "cores to itself (auto: when the ranks outnumber the cores)")
@@ -351,12 +358,12 @@ def config_from_args(args: argparse.Namespace) -> E2EConfig:
         return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, long_documents=args.long_documents,
                          ranks=args.ranks, tokens_per_rank=64,
                          global_tokens=256, steps=2, warmup=1, max_tp=2, policies=policies, cost="analytic",
-                         seed=args.seed, take_turns=args.take_turns)
+                         seed=args.seed, take_turns=args.take_turns, compile_backend=args.compile_backend)
     return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, long_documents=args.long_documents,
                      ranks=args.ranks,
                      tokens_per_rank=args.tokens_per_rank, global_tokens=args.global_tokens, steps=args.steps,
                      warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed,
-                     take_turns=args.take_turns)
+                     take_turns=args.take_turns, compile_backend=args.compile_backend)
 
 
 def main(argv: list[str] | None = None) -> int:

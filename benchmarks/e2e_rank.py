@@ -48,6 +48,8 @@ class RankJob:
     """AdamW learning rate."""
     show_progress: bool
     """Progress bar on rank 0."""
+    compile_backend: str = "auto"
+    """torch.compile backend of the variants."""
     take_turns: bool = False
     """Replicas compute one after the other within a step (``Executor.take_turns``)."""
 
@@ -124,7 +126,8 @@ def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
     from hcompile.tools.profile import build_model
     from hcompile.tools.progress import progress_bar
 
-    compiled = CompiledModel(build_model(job.model, job.seed), buckets=TokenBuckets(sizes=job.buckets))
+    compiled = CompiledModel(build_model(job.model, job.seed), buckets=TokenBuckets(sizes=job.buckets),
+                             compile_backend=job.compile_backend)
     data = _token_batches(job)
 
     def progress(label: str, done: int, total: int) -> None:

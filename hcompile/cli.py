@@ -74,6 +74,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out lengths (0)")
     p.add_argument("--out", default="profile.json", help="where to write the profile JSON (profile.json)")
     p.add_argument("--smoke", action="store_true", help="a seconds-long run: llama-tiny, tp 1 and 2, cap 128")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where to measure: cpu (one core per rank, CPU time) or cuda (rank r on GPU r, bf16, CUDA "
+                        "events) (cpu)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,10 +111,11 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hcompile.tools.spawn import RankError
 
     if args.smoke:
-        job = ProfileJob(model="llama-tiny", tps=(1, 2), tokens_per_rank=128, repeats=2, gpus=args.gpus, seed=args.seed)
+        job = ProfileJob(model="llama-tiny", tps=(1, 2), tokens_per_rank=128, repeats=2, gpus=args.gpus, seed=args.seed,
+                         device=args.device)
     else:
         job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), tokens_per_rank=args.tokens_per_rank,
-                         repeats=args.repeats, gpus=args.gpus, seed=args.seed)
+                         repeats=args.repeats, gpus=args.gpus, seed=args.seed, device=args.device)
     check_output_path(args.out, "--out")  # before minutes of profiling
     try:
         report = run_profile(job)

@@ -72,7 +72,7 @@ def tokens_a_rank_holds(graph: fx.GraphModule, tokens: int, device: torch.device
     memory = rank_memory_bytes(device, local_ranks) * USABLE
     states = params * runtime.sharded_bytes / world_size + params * runtime.compute_bytes + runtime.buffer_bytes
     per_token = step_bytes_per_token(graph, tokens)
-    free = comm.all_reduce(torch.tensor([memory - states], dtype=torch.float64), "min")
+    free = comm.all_reduce(torch.tensor([memory - states], dtype=torch.float64, device="cpu"), "min")
     usable = max(0, int(free.item()))
     return int(usable // per_token), per_token, usable
 

@@ -23,6 +23,7 @@ from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, tokens_a_rank_holds
 from hcompile.verify import prepare_strategy
 from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
+from passes.graph.hardware import hardware_for_device
 from passes.graph.normalize import canonical_graph
 from passes.graph.tensor_parallel import ParamSlice, split_dims
 from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
@@ -42,7 +43,7 @@ from runtime.loss import global_pair_count
 from runtime.planning import DEFAULT_PLAN_TIMEOUT_S, PlanService
 from runtime.topology import Cluster, place
 
-__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "cpu_cost_model", "cap_tokens", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "default_cost_model", "cap_tokens", "ELEMENTWISE_OPTIMIZERS"]
 
 log = logging.getLogger("hcompile")
 
@@ -266,21 +267,28 @@ class CompiledProvider:
         return largest
 
 
-def cpu_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
-                   runtime: RuntimeMemory = HCOMPILE_RUNTIME) -> CostModel:
-    """Analytic cost model of a captured graph on a CPU: schemes (tp, pp) with tp dividing the head count,
-    pp at most the layer count and tp*pp dividing the world size, each capped at ``tokens_per_rank * tp`` tokens
-    per micro-batch (1024 per rank when None) and by the memory ``runtime`` leaves."""
+def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
+                       runtime: RuntimeMemory = HCOMPILE_RUNTIME,
+                       device: torch.device | str = "cpu") -> CostModel:
+    """Analytic cost model of a captured graph on ``device``'s hardware: the CPU (a 0.2 TFLOP model), or on a GPU
+    its preset (``passes.graph.hardware.hardware_for_device``: A100, A800, H100, H200; another GPU is refused,
+    never planned as a CPU). Schemes (tp, pp) with tp dividing the head count (and within a node), pp at most
+    the layer count and tp*pp dividing the world size, each capped by the memory ``runtime`` leaves and at
+    ``tokens_per_rank * tp`` tokens per micro-batch (on the CPU 1024 per rank when None)."""
     analysis = analyze_graph(canonical_graph(captured))
     if not analysis.attention:
         raise ValueError(f"{name} has no attention (no scaled_dot_product_attention call, nor a softmax(q @ k^T) @ v "
                          "written out): hcompile trains Transformer decoders, and plans by their attention")
+    device = torch.device(device)
+    hardware = hardware_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else CPU
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
-               if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)]
-    model = analytic_cost_model(analysis, CPU, schemes, name=f"{name}@cpu", world_size=world_size, runtime=runtime)
-    per_rank = 1024 if tokens_per_rank is None else tokens_per_rank
-    return cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
+               if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)
+               and tp <= hardware.gpus_per_node]
+    model = analytic_cost_model(analysis, hardware, schemes, name=f"{name}@{hardware.name}", world_size=world_size,
+                                runtime=runtime)
+    per_rank = (1024 if hardware is CPU else None) if tokens_per_rank is None else tokens_per_rank
+    return model if per_rank is None else cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
 
 
 def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:
@@ -316,10 +324,9 @@ class Trainer:
                                  reduce_dtype=options.reduce_dtype)
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
-        model = cost_model or cpu_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
-                                             type(compiled.model).__name__, self.ctx.world_size,
-                                             options.tokens_per_rank,
-                                             memory)
+        model = cost_model or default_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
+                                                 type(compiled.model).__name__, self.ctx.world_size,
+                                                 options.tokens_per_rank, memory, self.ctx.device)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
         model = bound_caps(model, self._holds(memory), options.tokens_per_rank)  # before any capture at the cap

@@ -47,14 +47,14 @@ def _digest(batch: Sequence[torch.Tensor], problem: str | None) -> torch.Tensor:
     """[status, sequences, tokens, h0, h1]: a blake2b hash (128 bits, two int64s) of the lengths and the int64
     token bytes, computed on the host once, so that a reordered cut of the same tokens or changed ids differ."""
     if problem is not None:
-        return torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64)
-    lengths = torch.tensor([len(t) for t in batch], dtype=torch.int64)
+        return torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64, device="cpu")
+    lengths = torch.tensor([len(t) for t in batch], dtype=torch.int64, device="cpu")
     ids = torch.cat([t.detach().to(device="cpu", dtype=torch.int64) for t in batch])
     digest = hashlib.blake2b(lengths.numpy().tobytes(), digest_size=16)
     digest.update(ids.numpy().tobytes())
     raw = digest.digest()
     halves = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in (0, 8)]
-    return torch.tensor([0, len(batch), ids.numel(), *halves], dtype=torch.int64)
+    return torch.tensor([0, len(batch), ids.numel(), *halves], dtype=torch.int64, device="cpu")
 
 
 def agree_on_batch(batch: object, vocab_size: int | None) -> list[int]:

@@ -102,7 +102,7 @@ def pack_micro_batch(batch: Sequence[torch.Tensor], indices: Sequence[int],
     from the host batch and copied to ``device``: only these sequences travel, and nothing is read back."""
     seqs = [batch[i] for i in indices]
     lengths = [int(t.numel()) for t in seqs]  # host tensors: no device read
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cpu")
     ids = torch.cat([t.cpu() for t in seqs])
     return ids.to(device, non_blocking=True), cu.to(device, non_blocking=True), max(lengths)
 

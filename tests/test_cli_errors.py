@@ -64,3 +64,10 @@ def test_profile_out_is_checked_before_profiling(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
     assert main(["profile", "--smoke", "--out", str(tmp_path / "missing" / "p.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine with GPUs can profile on them")
+def test_profile_on_cuda_without_gpus_is_refused_before_profiling(tmp_path, capsys):
+    assert main(["profile", "--smoke", "--device", "cuda", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--device cuda needs 2 GPUs for tp 2, this machine has 0" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -52,10 +52,10 @@ def test_one_strategy_as_a_string_is_one_strategy():
 def test_a_tp_degree_that_does_not_divide_the_heads_is_named():
     import hcompile
     from hcompile.models import Llama, LlamaConfig, init_weights_
-    from hcompile.train import _check_strategies, cpu_cost_model
+    from hcompile.train import _check_strategies, default_cost_model
 
     graph = hcompile.compile(init_weights_(Llama(LlamaConfig()), seed=0)).captured(64).graph_module
-    model = cpu_cost_model(graph, "llama", 4, 64)
+    model = default_cost_model(graph, "llama", 4, 64)
     with pytest.raises(ValueError, match="strategy '1x\\(tp3\\)\\+1x\\(tp1\\)': tp3 does not divide the model's 4 "
                                          "attention heads"):
         _check_strategies(("2x(tp2)", "1x(tp3)+1x(tp1)"), model, graph, 4)

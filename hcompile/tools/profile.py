@@ -79,8 +79,16 @@ class ProfileJob:
     """Seed of the held-out lengths and the token ids."""
     timeout_s: float = 900.0
     """Hard limit per scheme."""
+    device: str = "cpu"
+    """``cpu``: ranks on CPU cores, fp32, busy CPU time; ``cuda``: rank r on GPU r (NCCL), bf16 compute copies,
+    CUDA events around each micro-batch (the kernels' time)."""
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise PlanError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and torch.cuda.device_count() < max(self.tps or (1,)):
+            raise PlanError(f"--device cuda needs {max(self.tps or (1,))} GPUs for tp {max(self.tps or (1,))}, this "
+                            f"machine has {torch.cuda.device_count()}")
         if self.model not in CPU_MODELS:
             raise PlanError(f"unknown model {self.model!r}; known: {', '.join(CPU_MODELS)}")
         cfg = CPU_MODELS[self.model]
@@ -144,37 +152,42 @@ def sweep_packs(cap: int, buckets: TokenBuckets, seed: int) -> list[tuple[tuple[
 
 
 def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repeats: int,
-                bucket_sizes: tuple[int, ...], show: bool) -> dict:
-    """In each of ``world`` ranks: CPU ms (computing and communication threads, as the executor's busy time) of
-    forward+backward of every pack on this rank's TP slice, and the bytes saved for backward at two sizes."""
+                bucket_sizes: tuple[int, ...], show: bool, device_type: str = "cpu") -> dict:
+    """In each of ``world`` ranks: ms of forward+backward of every pack on this rank's TP slice (on the CPU the
+    computing and communication threads' CPU time, as the executor's busy time; on a GPU CUDA events), and the
+    bytes saved for backward at two sizes."""
     from hcompile.api import CompiledModel
     from hcompile.train import CompiledProvider
     from runtime import distributed as comm
-    from runtime.cpu_clock import RankCpuClock
     from runtime.executor import pack_micro_batch
     from runtime.fixed_layout import FixedLayout
     from runtime.loss import packed_causal_lm_loss_sum
     from runtime.stage_params import StageParams
 
+    device = comm.group_device() if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     net = build_model(model, seed)
     buckets = TokenBuckets(sizes=bucket_sizes)
-    provider = CompiledProvider(CompiledModel(net, buckets=buckets), buckets)
+    compiled = CompiledModel(net, buckets=buckets)
+    provider = CompiledProvider(compiled, buckets, dtype if device.type == "cuda" else None,
+                                device if device.type == "cuda" else None)
     scheme = ParallelScheme(tp=world)
     program = provider.stage(scheme, 0, rank, comm.world_group())
     full = dict(net.named_parameters())
-    params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices, world)
+    params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices, world,
+                         dtype, device)
     program.bind(params.params)
     params.materialize()
     params.fill_from(full)
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = CPU_MODELS[model].vocab
-    clock = RankCpuClock()
+    clock = _Clock(device)
 
     def run(lens: tuple[int, ...], hooks: dict | None = None) -> float:
         batch = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
         params.zero_grads()
-        started = clock.seconds()
-        ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), torch.device("cpu"))
+        clock.start()
+        ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), device)
         if hooks is None:
             loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
         else:
@@ -185,7 +198,7 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
         loss.backward()
-        return (clock.seconds() - started) * 1e3
+        return clock.stop()
 
     def tick(done: int) -> None:
         if show and rank == 0 and done % len(packs) in (0, len(packs) // 2):
@@ -207,6 +220,32 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
         run((total,), hooks)
         saved.append((total, sum(hooks.values())))
     return {"times": times, "saved": saved}
+
+
+class _Clock:
+    """ms of one measured run: the rank's CPU time on the CPU, CUDA events on a GPU (waited for: a profiler may
+    synchronise)."""
+
+    def __init__(self, device: torch.device):
+        from runtime.cpu_clock import RankCpuClock
+
+        self.cuda = device.type == "cuda"
+        self.cpu = RankCpuClock()
+        self.begin = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        else:
+            self.begin = self.cpu.seconds()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.events[1].record()
+            self.events[1].synchronize()
+            return self.events[0].elapsed_time(self.events[1])
+        return (self.cpu.seconds() - self.begin) * 1e3
 
 
 def fit_nonnegative(features: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -261,7 +300,7 @@ class ProfileReport:
 
     def profile(self) -> Profile:
         """The preset-format profile this report writes (``to_json``), parsed back."""
-        return Profile.from_dict(self.to_json(), name=f"{self.job.model}@cpu")
+        return Profile.from_dict(self.to_json(), name=f"{self.job.model}@{self.job.device}")
 
     def _memory(self) -> tuple[dict, float]:
         cfg = CPU_MODELS[self.job.model]
@@ -279,12 +318,13 @@ class ProfileReport:
     def _dict(self, memory: dict, bound_mib: float) -> dict:
         cfg = CPU_MODELS[self.job.model]
         return {
-            "hardware": {"name": "cpu", "gpu": self.device, "gpus_per_node": self.job.gpus,
+            "hardware": {"name": self.job.device, "gpu": self.device, "gpus_per_node": self.job.gpus,
                          "memory_bound_mib": bound_mib, "reserved_mib_per_gpu": 0.0},
             "optimizer_shardable_fraction": SHARDABLE_FRACTION,
-            "source": f"hcompile profile on this machine: thread CPU time of forward+backward of packed "
-                      f"micro-batches, busiest of tp ranks, median of {self.job.repeats}; memory bound set so "
-                      f"that tp=1 holds {self.job.tokens_per_rank} tokens per rank",
+            "source": f"hcompile profile on this machine: "
+                      f"{'CUDA-event' if self.job.device == 'cuda' else 'thread CPU'} time of forward+backward of "
+                      f"packed micro-batches, busiest of tp ranks, median of {self.job.repeats}; memory bound set "
+                      f"so that tp=1 holds {self.job.tokens_per_rank} tokens per rank",
             "model": {"name": self.job.model, "layers": cfg.layers, "hidden": cfg.hidden,
                       "ffn_hidden": cfg.ffn_hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab},
             "memory": memory,
@@ -327,14 +367,17 @@ def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
         buckets = token_buckets(cap)
         packs = sweep_packs(cap, buckets, job.seed + tp)
         results = run_local_ranks(tp, _time_packs, job.model, job.seed, packs, job.repeats, buckets.sizes,
-                                  show_progress, timeout_s=job.timeout_s)
+                                  show_progress, job.device, timeout_s=job.timeout_s,
+                                  dist_backend="nccl" if job.device == "cuda" else "gloo")
         ms = [statistics.median(max(r["times"][i][k] for r in results) for k in range(job.repeats))
               for i in range(len(packs))]
         (t0, b0), (t1, b1) = results[0]["saved"]
         act = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
         fits.append(_fit_scheme(tp, packs, ms, act))
+    device = (f"cuda ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, bf16" if job.device == "cuda"
+              else ProfileReport.__dataclass_fields__["device"].default_factory())
     return ProfileReport(job=job, fits=tuple(fits), params_per_layer=_params_per_layer(job.model),
-                         wall_s=time.perf_counter() - started)
+                         wall_s=time.perf_counter() - started, device=device)
 
 
 def cost_model_from_profile(profile: Profile, tokens_per_rank: int, schemes: list[ParallelScheme] | None = None,
