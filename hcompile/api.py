@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import fx, nn
 
-from codegen.validation import check_kernel
+from codegen.validation import check_kernel, check_offsets
 from hcompile.capture import Captured, capture
 from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
@@ -104,6 +104,10 @@ class CompiledModel:
     def packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Logits (T, vocab) of n packed sequences; equals the model on each sequence, concatenated."""
         total = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+        if (cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+                or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total):
+            raise ValueError(f"cu_seqlens must be int32 ending at {total}, got {cu_seqlens.tolist()}")
+        check_offsets(cu_seqlens.cpu(), total, total)  # values: non-decreasing (a host read; not a training path)
         bucket = self.buckets.bucket_for(total) if self.buckets is not None else total
         ids, cu = pad_to_bucket(input_ids, cu_seqlens, bucket)
         max_seqlen = bucket if self.buckets is not None else int((cu[1:] - cu[:-1]).max())

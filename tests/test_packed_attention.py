@@ -49,7 +49,7 @@ graph():
     %transpose_2 : [num_users=1] = call_method[target=transpose](args = (%squeeze_1, 0, 1), kwargs = {})
     %squeeze_2 : [num_users=1] = call_method[target=squeeze](args = (%transpose, 0), kwargs = {})
     %transpose_3 : [num_users=1] = call_method[target=transpose](args = (%squeeze_2, 0, 1), kwargs = {})
-    %packed_attention : [num_users=1] = call_function[target=codegen.op.packed_attention](args = (%transpose_1, %transpose_2, %transpose_3, %cu_seqlens, %max_seqlen), kwargs = {causal: True, softmax_scale: None, kernel: auto})
+    %packed_attention : [num_users=1] = call_function[target=codegen.op.packed_attention](args = (%transpose_1, %transpose_2, %transpose_3, %cu_seqlens, %max_seqlen), kwargs = {causal: True, softmax_scale: None, kernel: auto, validate: False})
     %transpose_4 : [num_users=1] = call_method[target=transpose](args = (%packed_attention, 0, 1), kwargs = {})
     %unsqueeze : [num_users=1] = call_method[target=unsqueeze](args = (%transpose_4, 0), kwargs = {})
     return unsqueeze"""
