@@ -10,7 +10,7 @@ Per policy: tokens per second (wall clock); the step time with one core per rank
 time: the CPU time of the rank's computing thread and of its communication threads over the forward and
 backward, ``runtime.cpu_clock``; the computing thread alone is reported beside it); balance (largest over
 mean per-rank busy time); the cost model's prediction of the step as executed (micro-batches padded to their
-bucket) over the measured one; recompiles after warm-up; parameter and gradient bytes moved per step;
+bucket) over the measured one; compilations after warm-up; parameter and gradient bytes moved per step;
 planning time and whether it was hidden behind the previous step. Bad input exits with status 2 and a
 one-line message.
 """
@@ -257,7 +257,7 @@ def _policy_summary(rec: dict) -> dict:
 
 def summarize(result: dict) -> dict:
     """The ``--json`` object: the config and, per policy, every metric (means over measured steps; bytes are
-    rank 0's per step; ``plan_hidden`` is the share of steps whose plan was ready before it was needed)."""
+    rank 0's per step; ``plan_hidden`` is the share of steps whose plan was computed while the previous step ran)."""
     config = {**result["config"], "device": device_name(), "commit": commit(),
               "coefficients": result["coefficients"], "train_wall_s": round(result["train_wall_s"], 1)}
     policies = {name: _policy_summary(rec) for name, rec in result["records"].items()}
@@ -278,7 +278,7 @@ def format_table(summary: dict, baseline: str = "homogeneous-token") -> str:
     base = pols.get(baseline, {}).get("step_ms_one_core_per_rank")
     lines = [f"{'policy':<18} {'tok/s wall':>10} {'step ms 1core/rank':>18} {'vs ' + baseline[:11]:>14} "
              f"{'thread-only ms':>14} "
-             f"{'balance':>8} {'pred/meas':>9} {'recomp':>6} {'param MB':>8} {'grad MB':>8} {'plan ms':>8} "
+             f"{'balance':>8} {'pred/meas':>9} {'comp+':>6} {'param MB':>8} {'grad MB':>8} {'plan ms':>8} "
              f"{'hidden':>6}  strategies"]
     for name, p in pols.items():
         speed = f"{base / p['step_ms_one_core_per_rank']:.2f}x" if base else "-"
