@@ -240,10 +240,10 @@ def training_checks(run: TrainRun, peak_tflops: float | None, kernel: str = "tri
                  numbers={"steps": len(errors), "first": round(run.losses[0], 4), "last": round(run.losses[-1], 4),
                           "fp32_last": round(run.reference[-1], 4), "worst_rel": float(f"{worst:.3g}")},
                  detail="" if worst < tolerance else f"a loss is {worst:.3g} off fp32 eager (>= {tolerance:g})")
-    after = run.recompiles_after_warmup()
-    compiled = run.recompiles[0] >= 1
+    after = run.compilations_after_warmup()
+    compiled = run.compilations[0] >= 1
     recompiles = Check(part="c", name="no recompilation after warm-up", passed=after == 0 and compiled,
-                       numbers={"at_warmup": run.recompiles[0], "after": after},
+                       numbers={"at_warmup": run.compilations[0], "after": after},
                        detail="" if compiled else "nothing was compiled at warm-up")
     ran = run.kernels_run()
     numbers: dict[str, Any] = {"params_m": round(run.params / 1e6, 1), "tokens_per_s": round(run.tokens_per_s()),

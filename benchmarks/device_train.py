@@ -71,8 +71,8 @@ class TrainRun:
     """The trainer's loss of each step."""
     reference: tuple[float, ...]
     """The fp32 eager model's loss of each step."""
-    recompiles: tuple[int, ...]
-    """``StepStats.recompiles`` after each step (compilations so far)."""
+    compilations: tuple[int, ...]
+    """``StepStats.compilations`` after each step (compilations so far)."""
     step_s: tuple[float, ...]
     """Wall time of each step, the device synchronised before and after."""
     tokens: tuple[int, ...]
@@ -92,9 +92,9 @@ class TrainRun:
         """Per step, ``|loss - reference| / |reference|``."""
         return tuple(abs(got - want) / max(abs(want), 1e-12) for got, want in zip(self.losses, self.reference))
 
-    def recompiles_after_warmup(self) -> int:
+    def compilations_after_warmup(self) -> int:
         """Compilations after the first step."""
-        return self.recompiles[-1] - self.recompiles[0]
+        return self.compilations[-1] - self.compilations[0]
 
     def tokens_per_s(self) -> float:
         """Throughput of the steps after the first."""
@@ -211,7 +211,7 @@ def run_training(setup: TrainSetup) -> TrainRun:
                                 buckets=TokenBuckets(sizes=(setup.tokens,)))
     trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": setup.lr},
                                strategies=["1x(tp1)"], tokens_per_rank=setup.tokens, param_dtype=setup.param_dtype)
-    losses, recompiles, step_s = [], [], []
+    losses, compilations, step_s = [], [], []
     with kernel_calls() as calls:
         for batch in batches:
             _synchronize(device)
@@ -220,9 +220,9 @@ def run_training(setup: TrainSetup) -> TrainRun:
             _synchronize(device)
             step_s.append(time.perf_counter() - started)
             losses.append(stats.loss)
-            recompiles.append(stats.recompiles)
+            compilations.append(stats.compilations)
     multiplying = matmul_params(model)
-    return TrainRun(losses=tuple(losses), reference=tuple(reference), recompiles=tuple(recompiles),
+    return TrainRun(losses=tuple(losses), reference=tuple(reference), compilations=tuple(compilations),
                     step_s=tuple(step_s), tokens=tuple(sum(len(s) for s in b) for b in batches),
                     flops=tuple(step_flops(setup.model, multiplying, [len(s) for s in b]) for b in batches),
                     params=sum(p.numel() for p in model.parameters()), kernel_calls=tuple(calls.items()))

@@ -10,7 +10,7 @@ Per policy: tokens per second (wall clock); the step time with one core per rank
 time: the CPU time of the rank's computing thread and of its communication threads over the forward and
 backward, ``runtime.cpu_clock``; the computing thread alone is reported beside it); balance (largest over
 mean per-rank busy time); the cost model's prediction of the step as executed (micro-batches padded to their
-bucket) over the measured one; recompiles after warm-up; parameter and gradient bytes moved per step;
+bucket) over the measured one; compilations after warm-up; parameter and gradient bytes moved per step;
 planning time and whether it was hidden behind the previous step. Bad input exits with status 2 and a
 one-line message.
 """
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.provenance import commit
+from hcompile.cost import ANALYSIS_TOKENS, default_cost_model
 from hcompile.data import ByteTokenizer, Corpus, DataError, TokenBatches, python_stdlib
 from hcompile.tools.profile import CPU_MODELS, ProfileJob, cost_model_from_profile, run_profile, token_buckets
 from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
-from hcompile.train import ANALYSIS_TOKENS, default_cost_model
 from passes.plan.cost_model import load_profile_file
 from passes.plan.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
 from passes.plan.ir import CostModel, ParallelScheme, PlanError
@@ -43,7 +43,7 @@ __all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table",
 DEFAULT_POLICIES = ("hydraulis", "homogeneous-token", "fixed-packing")
 TEXT_DATASET = "stdlib"
 DATASETS = (TEXT_DATASET, *PRESET_DATASETS)
-FIELDS = ("tokens_per_s", "step_ms_one_core_per_rank", "balance", "pred_over_measured", "recompiles_after_warmup",
+FIELDS = ("tokens_per_s", "step_ms_one_core_per_rank", "balance", "pred_over_measured", "compilations_after_warmup",
           "param_bytes_received", "grad_bytes_sent", "plan_ms", "plan_hidden")
 
 
@@ -239,7 +239,7 @@ def _policy_summary(rec: dict) -> dict:
         "pred_over_measured": float(np.mean([s["pred_ms"] / m for s, m in zip(steps, one_core)])),
         "pred_over_measured_per_step": [round(s["pred_ms"] / m, 4) for s, m in zip(steps, one_core)],
         "plan_est_over_measured": float(np.mean([s["est_ms"] / m for s, m in zip(steps, one_core)])),
-        "recompiles_after_warmup": int(rec["recompiles_after_warmup"]),
+        "compilations_after_warmup": int(rec["compilations_after_warmup"]),
         "param_bytes_received": int(np.mean([s["param_bytes_received"] for s in steps])),
         "grad_bytes_sent": int(np.mean([s["grad_bytes_sent"] for s in steps])),
         "plan_ms": float(np.mean([s["plan_ms"] for s in steps])),
@@ -257,7 +257,7 @@ def _policy_summary(rec: dict) -> dict:
 
 def summarize(result: dict) -> dict:
     """The ``--json`` object: the config and, per policy, every metric (means over measured steps; bytes are
-    rank 0's per step; ``plan_hidden`` is the share of steps whose plan was ready before it was needed)."""
+    rank 0's per step; ``plan_hidden`` is the share of steps whose plan was computed while the previous step ran)."""
     config = {**result["config"], "device": device_name(), "commit": commit(),
               "coefficients": result["coefficients"], "train_wall_s": round(result["train_wall_s"], 1)}
     policies = {name: _policy_summary(rec) for name, rec in result["records"].items()}
@@ -278,14 +278,14 @@ def format_table(summary: dict, baseline: str = "homogeneous-token") -> str:
     base = pols.get(baseline, {}).get("step_ms_one_core_per_rank")
     lines = [f"{'policy':<18} {'tok/s wall':>10} {'step ms 1core/rank':>18} {'vs ' + baseline[:11]:>14} "
              f"{'thread-only ms':>14} "
-             f"{'balance':>8} {'pred/meas':>9} {'recomp':>6} {'param MB':>8} {'grad MB':>8} {'plan ms':>8} "
+             f"{'balance':>8} {'pred/meas':>9} {'comp+':>6} {'param MB':>8} {'grad MB':>8} {'plan ms':>8} "
              f"{'hidden':>6}  strategies"]
     for name, p in pols.items():
         speed = f"{base / p['step_ms_one_core_per_rank']:.2f}x" if base else "-"
         strategies = ", ".join(f"{k} x{v}" for k, v in sorted(p["strategies"].items(), key=lambda kv: -kv[1]))
         lines.append(f"{name:<18} {p['tokens_per_s']:>10.0f} {p['step_ms_one_core_per_rank']:>18.1f} {speed:>14} "
                      f"{p['step_ms_compute_thread']:>14.1f} "
-                     f"{p['balance']:>8.3f} {p['pred_over_measured']:>9.3f} {p['recompiles_after_warmup']:>6} "
+                     f"{p['balance']:>8.3f} {p['pred_over_measured']:>9.3f} {p['compilations_after_warmup']:>6} "
                      f"{p['param_bytes_received'] / 2**20:>8.2f} {p['grad_bytes_sent'] / 2**20:>8.2f} "
                      f"{p['plan_ms']:>8.1f} {100 * p['plan_hidden']:>5.0f}%  {strategies}")
     return "\n".join(lines)

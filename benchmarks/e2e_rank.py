@@ -73,9 +73,9 @@ def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[fl
     return {
         "step": step, "loss": stats.loss, "tokens": stats.tokens, "strategy": stats.strategy,
         "busy_ms": list(stats.busy_ms), "compute_thread_ms": list(stats.compute_thread_ms), "wall_ms": wall_ms,
-        "recompiles": stats.recompiles,
+        "compilations": stats.compilations,
         "param_bytes_received": stats.traffic.params_received, "grad_bytes_sent": stats.traffic.grads_sent,
-        "tokens_per_rank": list(stats.tokens_per_rank), "plan_ms": stats.plan_ms, "plan_hidden": stats.plan_hidden,
+        "tokens_computed": list(stats.tokens_computed), "plan_ms": stats.plan_ms, "plan_hidden": stats.plan_hidden,
         "est_ms": plan.est_step_ms, "pred_ms": max(pred), "lower_bound_ms": plan.lower_bound_ms,
         "replicas": [{"scheme": r.scheme.describe(), "ranks": list(r.ranks), "est_ms": r.est_ms, "pred_ms": p,
                       "micro_batch_tokens": [sum(plan.seq_lens[i] for i in mb) for mb in r.micro_batches]}
@@ -99,20 +99,21 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
     baseline = policy in ("padding", "fixed-packing", "homogeneous-token")
     strategies = [planner.fixed] if baseline else list(planner.pool) + [planner.fixed]
     trainer.warm_up(strategies)  # every variant these strategies can ask of this rank
-    builds = trainer.provider.recompiles()
+    builds = trainer.lowerings.compilations()
     return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool],
             "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
-            "builds_before_steps": builds, "warm_recompiles": builds, "steps": []}
+            "builds_before_steps": builds, "warm_compilations": builds, "steps": [],
+            "batches": iter(_token_batches(job))}
 
 
 def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     trainer = state["trainer"]
     t0 = time.perf_counter()
-    stats = trainer.train_step(data[i], next_batch=data[i + 1] if i + 1 < len(data) else None)
+    stats = trainer.train_step(state["batches"])  # the next batch is planned while this one trains
     wall = (time.perf_counter() - t0) * 1e3
     plan = trainer.last_plan.plan
     if i == job.warmup - 1:
-        state["warm_recompiles"] = stats.recompiles
+        state["warm_compilations"] = stats.compilations
     if i >= job.warmup:
         record = _step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"]))
         if trainer.calibration is not None:  # rank 0: the factors the next plans use
@@ -143,5 +144,5 @@ def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
         return None
     return {policy: {"pool": st["pool"], "fixed": st["fixed"], "compile_s": st["compile_s"],
                      "builds_before_steps": st["builds_before_steps"],
-                     "recompiles_after_warmup": st["steps"][-1]["recompiles"] - st["warm_recompiles"],
+                     "compilations_after_warmup": st["steps"][-1]["compilations"] - st["warm_compilations"],
                      "steps": st["steps"]} for policy, st in states.items()}

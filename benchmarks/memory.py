@@ -139,10 +139,11 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
     for i, strategy in enumerate(strategies):
         trainer.train_step(_batch(cfg, 2 * i), strategy=strategy)  # compiles what the strategy needs
         meter = LiveBytes(base=layout.shard_numel * 4)
-        executor.on_phase = meter.mark
+        hook = lambda phase, step, meter=meter: meter.mark(phase)  # noqa: E731
+        executor.hooks.insert(0, hook)
         with meter:
             stats = trainer.train_step(_batch(cfg, 2 * i + 1), strategy=strategy)
-        executor.on_phase = None
+        executor.hooks.remove(hook)
         move = executor.redistribution_of(Strategy.parse(strategy))
         size = layout.shard.element_size()
         owned = move.numel - move.local_numel

@@ -55,17 +55,14 @@ def main() -> None:
         meta = trainer.load(args.resume)
         data.load_state_dict(meta["data_position"])
         start = meta["step"]
-    position, batch = data.state_dict(), data.next_batch()
-    for step in range(start, start + args.steps):
-        upcoming_position, upcoming = data.state_dict(), data.next_batch()  # planned while this step runs
-        stats = trainer.train_step(batch, next_batch=upcoming)
-        if torch.distributed.get_rank() == 0:
-            print(f"step {step}: loss {stats.loss:.4f}  {stats.tokens} tokens in {len(batch)} sequences  "
-                  f"{stats.strategy}", flush=True)
-        position, batch = upcoming_position, upcoming
-    if args.save:  # the position of the first batch not trained on
-        trainer.save(args.save, step=start + args.steps, data_position=position)
-    torch.distributed.destroy_process_group()
+    def report(step: int, stats) -> None:
+        if trainer.ctx.rank == 0:
+            print(f"step {start + step}: loss {stats.loss:.4f}  {stats.tokens} tokens  {stats.strategy}  "
+                  f"planned {'while the previous step ran' if stats.plan_hidden else 'before it'}", flush=True)
+
+    trainer.fit(data, steps=args.steps, on_step=report)  # each batch planned while the previous one trains
+    if args.save:  # fit takes no batch past its last step: the position is the first batch not trained on
+        trainer.save(args.save, step=start + args.steps, data_position=data.state_dict())
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Owns :class:`CompiledModel`, the compiled face of a model: ``packed(input_ids, cu_seqlens)`` runs n whole
 sequences packed along the token axis and equals running the model on each alone. The packed graph is
 captured once per token bucket (total tokens are padded up to the bucket; the padding is one extra
-sequence whose output is dropped) and rewritten by the packed-attention pass; ``variant(...)`` builds the
-runtime's per-(scheme, stage, bucket) variants from the same capture.
+sequence whose output is dropped) and rewritten by the packed-attention pass; ``lowerings(...)`` gives a
+:class:`passes.graph.lowering.LoweringCache` over the same captures, which lowers the model per (scheme,
+stage, TP rank) and builds the variants the runtime runs.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from torch import fx, nn
 
 from codegen.validation import check_kernel, check_offsets
 from hcompile.capture import Captured, capture
+from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, run_passes
-from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant, pad_to_bucket
+from passes.graph.variant import TokenBuckets, pad_to_bucket
 from passes.plan.ir import ParallelScheme
 
 if TYPE_CHECKING:
@@ -48,7 +50,6 @@ class CompiledModel:
         ``cpu-flash``, ``reference``)."""
         self._captures: dict[int, Captured] = {}
         self._packed: dict[int, fx.GraphModule] = {}
-        self._variants: dict[tuple, Variant] = {}
         self.records: list[PassRecord] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -96,7 +97,7 @@ class CompiledModel:
             source = self.captured(tokens).graph_module
             gm = copy_graph_module(source, class_name="Packed" + type(self.model).__name__)
             gm, records = run_passes(gm, [*CANONICAL_PASSES, rewrite_packed_attention_pass],
-                                     PassContext(options={"packed_attention.kernel": self.kernel}))
+                                     PassContext(options={"rewrite_packed_attention_pass.kernel": self.kernel}))
             self.records.extend(records)
             self._packed[tokens] = gm
         return self._packed[tokens]
@@ -111,21 +112,23 @@ class CompiledModel:
         bucket = self.buckets.bucket_for(total) if self.buckets is not None else total
         ids, cu = pad_to_bucket(input_ids, cu_seqlens, bucket)
         max_seqlen = bucket if self.buckets is not None else int((cu[1:] - cu[:-1]).max())
-        out = self.packed_graph(bucket)(ids[None], cu, max_seqlen)[self.captured(bucket).output_index]
+        out = self.packed_graph(bucket)(ids[None], cu, max_seqlen)[0]
         return out[0, :total]
 
-    def variant(self, scheme: ParallelScheme, stage: int, bucket: int, *, tp_rank: int = 0,
-                tp_group: str | None = None) -> Variant:
-        """The compiled variant for (scheme, stage, bucket) on this rank, built once and cached (it computes
-        with the model's own Parameters, or its slices of them)."""
-        key = VariantKey(scheme=scheme, stage=stage, bucket=bucket)
-        if (key, tp_rank, tp_group) not in self._variants:
-            captured = self.captured(bucket)
-            self._variants[(key, tp_rank, tp_group)] = build_variant(
-                captured.graph_module, key, tp_rank=tp_rank, tp_group=tp_group,
-                output_index=captured.output_index, compile_backend=self.backend_for(None),
-                attention_kernel=self.kernel)
-        return self._variants[(key, tp_rank, tp_group)]
+    def lowerings(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
+                  buckets: TokenBuckets | None = None,
+                  cost_tokens: Callable[[ParallelScheme], int] | None = None) -> LoweringCache:
+        """A new cache of lowerings, variants and stage programs of this model, for compute copies in ``dtype``
+        on ``device`` (None: the model's own), over ``buckets`` (None: the model's; powers of two from 64 when
+        it has none). Variants bind to one set of parameters, so each trainer holds its own cache; they all
+        share this model's captures. ``cost_tokens(scheme)``: the longest micro-batch a scheme runs (what the
+        pipeline cut is balanced for)."""
+        buckets = buckets or self.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
+        return LoweringCache(lambda tokens: self.captured(tokens, dtype, device).graph_module, buckets,
+                             kernel=self.kernel, compile_backend=self.backend_for(device),
+                             buffers=dict(self.model.named_buffers()), cost_tokens=cost_tokens,
+                             model_name=type(self.model).__name__)
+
 
 
 def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, compile_backend: str = "auto",
@@ -146,8 +149,8 @@ def compile(model: nn.Module, *, buckets: TokenBuckets | None = None, compile_ba
 
 
 def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type] | type:
-    """Class decorator: instances gain ``packed``, ``variant`` and ``trainer``, compiled on first use with
-    ``options`` (those of :func:`compile`)."""
+    """Class decorator: instances gain ``packed`` and ``trainer`` (and ``hcompiled``, their ``CompiledModel``),
+    compiled on first use with ``options`` (those of :func:`compile`)."""
 
     def wrap(klass: type) -> type:
         if not (isinstance(klass, type) and issubclass(klass, nn.Module)):
@@ -160,7 +163,6 @@ def hydraulis(cls: type | None = None, **options: Any) -> Callable[[type], type]
 
         klass.hcompiled = property(compiled)
         klass.packed = lambda self, input_ids, cu_seqlens: compiled(self).packed(input_ids, cu_seqlens)
-        klass.variant = lambda self, *args, **kwargs: compiled(self).variant(*args, **kwargs)
         klass.trainer = lambda self, **kwargs: compiled(self).trainer(**kwargs)
         return klass
 

@@ -8,8 +8,8 @@ user's inputs. Every node keeps dynamo's fake value in ``meta["val"]`` for shape
 another compute dtype or device than the model's (or given a model on the meta device), capture traces meta
 stand-ins instead and the graph holds meta tensors, to be replaced by the runtime's before it runs.
 
-The capture is full-graph: a model that graph-breaks raises :class:`CaptureError` naming the break.
-``capture_joint`` runs aot_autograd over a captured graph to get the joint forward/backward graphs.
+The capture is full-graph: a model that graph-breaks raises :class:`CaptureError` naming the break. The
+graph returns one output, the logits (the model's tensor result, or its ``.logits``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["CaptureError", "Captured", "capture", "capture_joint", "without_kv_cache"]
+__all__ = ["CaptureError", "Captured", "capture", "without_kv_cache"]
 
 
 class CaptureError(RuntimeError):
@@ -36,8 +36,6 @@ class Captured:
     """The forward; its placeholders are the user inputs, parameters are ``get_attr`` nodes."""
     example_inputs: tuple[torch.Tensor, ...]
     """The user inputs (in placeholder order) the graph was recorded on."""
-    output_index: int
-    """Which graph output is the logits (the model's tensor result, or its ``.logits``)."""
     param_names: tuple[str, ...]
     """Fully qualified names of the parameters the graph reads, in first-use order."""
 
@@ -94,7 +92,7 @@ def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = N
                 gm, names = _normalise(model, record["gm"], record["inputs"], meta_args, stand_ins=True)
     _keep_only_output(gm, _output_index(record.get("outputs"), user_out))
     _drop_empty_concat_operands(gm)
-    return Captured(graph_module=gm, example_inputs=tuple(args), output_index=0, param_names=names)
+    return Captured(graph_module=gm, example_inputs=tuple(args), param_names=names)
 
 
 @contextlib.contextmanager
@@ -267,28 +265,3 @@ def _set_path(root: nn.Module, name: str, value: torch.Tensor) -> None:
         mod.register_parameter(leaf, value)
     else:
         mod.register_buffer(leaf, value)
-
-
-def capture_joint(captured: Captured) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The aot_autograd forward and backward graphs (ATen level) of a captured forward."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs: dict[str, fx.GraphModule] = {}
-
-    def keep(name: str) -> Callable:
-        def compiler(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable:
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    gm = captured.graph_module
-    compiled = aot_module_simplified(gm, list(captured.example_inputs), fw_compiler=keep("fw"), bw_compiler=keep("bw"))
-    outs = compiled(*captured.example_inputs)
-    loss = sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
-    if isinstance(loss, torch.Tensor):
-        loss.backward()
-    if "fw" not in graphs or "bw" not in graphs:
-        raise CaptureError("aot_autograd produced no backward graph (does the model have trainable parameters?)")
-    return graphs["fw"], graphs["bw"]

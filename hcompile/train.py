@@ -1,10 +1,11 @@
 """Heterogeneous training: ``hcompile.compile(model).trainer(loss="causal_lm", optimizer=...)`` returns a
-``Trainer`` whose ``train_step(batch)`` plans the global batch (strategy, dispatch, packing), runs this
-rank's replica with compiled variants, and steps the optimiser on the fixed ZeRO-1 layout.
+``Trainer``; ``trainer.fit(batches)`` trains on an iterable of global batches, planning each step while the
+previous one runs, and ``train_step(batch)`` trains on one.
 
-Owns the bridge between the compiler and the runtime: ``CompiledProvider`` turns a ``CompiledModel`` into
-the runtime's stage programs (tensor-parallel rewrite, then packed attention, per token bucket, cached),
-and the default CPU cost model (graph analysis with a per-rank token cap).
+Owns :class:`TrainOptions` and :class:`Trainer`. One step flows one way: the trainer checks the batch
+(``runtime.batch_check``), takes the plan from the planning service (``runtime.planning``), asks its lowering
+cache (``passes.graph.lowering``) for the stage program of this rank's place in the plan, and hands plan,
+batch and program to the executor (``runtime.executor``), which never calls back.
 """
 
 from __future__ import annotations
@@ -13,23 +14,26 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
-from torch import fx
 
 from hcompile.api import CompiledModel
+from hcompile.capture import CaptureError
+from hcompile.cost import ANALYSIS_TOKENS, cap_tokens, check_strategies, default_cost_model
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, tokens_a_rank_holds
 from hcompile.verify import prepare_strategy
-from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph, token_vocab
-from passes.graph.hardware import hardware_for_device
+from passes.graph.analyze import token_vocab
+from passes.graph.lowering import LoweringCache, StageVariants
 from passes.graph.normalize import canonical_graph
-from passes.graph.tensor_parallel import ParamSlice, split_dims
-from passes.graph.variant import TokenBuckets, Variant, VariantKey, build_variant
-from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, hcompile_runtime
+from passes.graph.pass_runner import PassError
+from passes.graph.tensor_parallel import split_dims
+from passes.graph.variant import TokenBuckets
+from passes.plan.cost_model import RuntimeMemory, hcompile_runtime
 from passes.plan.datasets import LengthDataset
-from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
+from passes.plan.placement import assign_ranks, placed_replicas
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 from runtime import distributed as comm
@@ -37,28 +41,23 @@ from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import DEFAULT_KEEP, load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
-from runtime.executor import Executor, StepStats, Traffic
-from runtime.fixed_layout import FixedLayout, Init
+from runtime.executor import Executor
+from runtime.fixed_layout import FixedLayout, Init, fill_layout
 from runtime.loss import global_pair_count
-from runtime.planning import DEFAULT_PLAN_TIMEOUT_S, PlanService
-from runtime.topology import Cluster, place
+from runtime.measure import StepStats, TakeTurns
+from runtime.planning import PlanService, plan_timeout_s
+from runtime.redistribute import Traffic
+from runtime.topology import Cluster
 
-__all__ = ["TrainOptions", "Trainer", "CompiledProvider", "default_cost_model", "cap_tokens", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["TrainOptions", "Trainer", "ELEMENTWISE_OPTIMIZERS"]
 
 log = logging.getLogger("hcompile")
-
-ANALYSIS_TOKENS = 64
-"""Tokens of the capture that graph analysis (cost model, tensor-parallel split dims) reads."""
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
     torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop)
 """Optimisers that update each element from its own gradient and state alone, so that a shard of the fixed
 layout steps exactly as the whole vector would (and their subclasses)."""
-
-CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0, link_gbps=5.0,
-               fixed_ms_per_layer=0.2, gpus_per_node=1024)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainOptions:
@@ -87,8 +86,8 @@ class TrainOptions:
     """Token buckets micro-batches are padded to; default: the compiled model's, else powers of two from 64
     tokens. The trainer keeps its own and leaves the compiled model's alone."""
     replicas_take_turns: bool = False
-    """Replicas compute one after the other within a step (``Executor.take_turns``): for measuring per-rank
-    busy times on a host with fewer cores than ranks; slower in wall-clock time."""
+    """Replicas compute one after the other within a step (``runtime.measure.TakeTurns``): for measuring
+    per-rank busy times on a host with fewer cores than ranks; slower in wall-clock time."""
     calibrate: bool = True
     """Scale each scheme's cost by its measured-over-predicted ratio (median of the last 8 steps,
     ``runtime.calibration``) when planning later steps; False plans with the given cost model throughout.
@@ -99,8 +98,9 @@ class TrainOptions:
     float32 on the CPU. Master weights and optimiser state are float32 whatever it is."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype gradients travel to their owners in (summed there in float32)."""
-    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S
-    """How long a step waits for rank 0's plan before every rank raises ``PlanTimeout``."""
+    plan_timeout_s: float | None = None
+    """How long a step waits for rank 0's plan before every rank raises ``PlanTimeout``; None: env
+    ``HCOMPILE_PLAN_TIMEOUT_S`` when the trainer is built, else 120 s."""
     self_check: bool = True
     """Before a strategy's first step, run each rank's lowering (tensor parallel, packed attention, pipeline
     split) on a small random probe against the model itself, eager, and refuse the strategy with a
@@ -115,6 +115,10 @@ class TrainOptions:
             value = getattr(self, name)
             if value is not None and value not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {value!r}")
+        timeout = self.plan_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"plan_timeout_s must be a positive number of seconds or None, got {timeout!r}")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
         if self.policy not in POLICIES:
@@ -145,159 +149,6 @@ def _check_optimizer(optimizer: Any, trusted: bool) -> None:
                          f"ranks ({names}); pass elementwise_optimizer=True if {optimizer.__name__} is one")
 
 
-class _VariantStage:
-    """A StageProgram over the compiler's variants of one (scheme, stage, TP rank): a micro-batch runs the
-    variant of its token bucket. Every bucket's variant computes with the same Parameters (the runtime's
-    compute copy, bound once), so the gradients of all micro-batches of a step accumulate in one place."""
-
-    def __init__(self, provider: "CompiledProvider", scheme: ParallelScheme, stage: int, tp_rank: int,
-                 group_name: str | None):
-        self.provider, self.scheme, self.stage, self.tp_rank, self.group = provider, scheme, stage, tp_rank, group_name
-        first = provider.variant(scheme, stage, provider.buckets.sizes[0], tp_rank, group_name)
-        self.param_slices: dict[str, ParamSlice] = {sl.name: sl for sl in first.params}
-        self._params: dict[str, torch.nn.Parameter] | None = None
-        self._variants: dict[int, Variant] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def bind(self, params: Mapping[str, torch.nn.Parameter]) -> None:
-        missing = sorted(set(self.param_slices) - set(params))
-        if missing:
-            raise KeyError(f"stage {self.stage} of {self.scheme.describe()} needs parameters {missing[:5]}")
-        self._params = dict(params)
-        for v in self._variants.values():
-            v.bind_(self._params, self._buffer)
-
-    def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """One copy per stage of each buffer: the model's own (a stand-in when captured for another dtype or
-        device), on the parameters' device, in its own dtype (the capture traced it in that dtype)."""
-        if name not in self._buffers:
-            if value.device.type == "meta":
-                value = self.provider.buffer(name)
-            like = next(iter(self._params.values()), None)
-            self._buffers[name] = value.to(device=like.device if like is not None else value.device)
-        return self._buffers[name]
-
-    def _variant(self, bucket: int) -> Variant:
-        if bucket not in self._variants:
-            if self._params is None:
-                raise RuntimeError(f"stage {self.stage} of {self.scheme.describe()} runs before bind()")
-            v = self.provider.variant(self.scheme, self.stage, bucket, self.tp_rank, self.group)
-            if {sl.name: sl for sl in v.params} != self.param_slices:
-                raise RuntimeError(f"bucket {bucket} of stage {self.stage} of {self.scheme.describe()} reads other "
-                                   f"parameter slices than bucket {self.provider.buckets.sizes[0]}")
-            v.bind_(self._params, self._buffer)
-            self._variants[bucket] = v
-        return self._variants[bucket]
-
-    def boundary_in(self, tokens: int) -> list:
-        """What this stage receives for a micro-batch of ``tokens`` tokens (its bucket's variant's inputs)."""
-        return self._variant(self.provider.buckets.bucket_for(tokens)).boundary_in_specs()
-
-    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                 boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        total = int(input_ids.shape[0])
-        variant = self._variant(self.provider.buckets.bucket_for(total))
-        outs = variant(input_ids, cu_seqlens, *boundary)
-        if self.stage == self.scheme.pp - 1:
-            return (variant.logits(outs, total),)
-        return tuple(outs)
-
-
-class CompiledProvider:
-    """Stage programs from a CompiledModel's variants (tensor parallel, packed attention, pipeline split,
-    compiled once per (scheme, stage, TP rank, bucket)), captured for compute copies in ``dtype`` on
-    ``device``."""
-
-    def __init__(self, compiled: CompiledModel, buckets: TokenBuckets, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
-        self.compiled, self.buckets, self.dtype, self.device = compiled, buckets, dtype, device
-        self._stages: dict[tuple, _VariantStage] = {}
-        self._variants: dict[tuple, Variant] = {}
-
-    def captured(self, tokens: int):
-        """The model captured on (1, tokens) for this provider's compute dtype and device."""
-        return self.compiled.captured(tokens, self.dtype, self.device)
-
-    def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int, group: str | None) -> Variant:
-        """This provider's variant of (scheme, stage, bucket) for one TP rank, built once. A variant is bound to
-        one trainer's parameters, so trainers over one CompiledModel share its captures, not its variants."""
-        cache = (scheme, stage, bucket, tp_rank, group)
-        if cache not in self._variants:
-            captured = self.captured(bucket)
-            self._variants[cache] = build_variant(
-                captured.graph_module, VariantKey(scheme=scheme, stage=stage, bucket=bucket), tp_rank=tp_rank,
-                tp_group=group, output_index=captured.output_index,
-                compile_backend=self.compiled.backend_for(self.device), attention_kernel=self.compiled.kernel)
-        return self._variants[cache]
-
-    def buffer(self, name: str) -> torch.Tensor:
-        """The model's own buffer ``name`` (what a captured buffer or constant stands for)."""
-        buffers = dict(self.compiled.model.named_buffers())
-        if name not in buffers:
-            raise KeyError(f"the graph reads {name!r}, which is not a buffer of {type(self.compiled.model).__name__} "
-                           "(a tensor attribute captured as a constant cannot be given a dtype or device)")
-        return buffers[name]
-
-    def stage(self, scheme: ParallelScheme, stage: int, tp_rank: int,
-              tp_group: comm.ProcessGroup | None) -> _VariantStage:
-        group = comm.group_name(tp_group)
-        key = (scheme, stage, tp_rank, group)
-        if key not in self._stages:
-            self._stages[key] = _VariantStage(self, scheme, stage, tp_rank, group)
-        return self._stages[key]
-
-    def recompiles(self) -> int:
-        """torch.compile compilations of every variant this provider built so far."""
-        return sum(v.counter.count for v in self._variants.values())
-
-    def largest_bucket(self, up_to: int) -> int:
-        """The largest bucket (up to the first >= ``up_to``) the model can be captured at. Capture runs the
-        model on one packed row, so a learned position table bounds a micro-batch's tokens."""
-        largest = 0
-        for bucket in self.buckets.sizes:
-            try:
-                self.captured(bucket)
-            except Exception:
-                if largest == 0:
-                    raise
-                break
-            largest = bucket
-            if bucket >= up_to:
-                break
-        return largest
-
-
-def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
-                       runtime: RuntimeMemory = HCOMPILE_RUNTIME,
-                       device: torch.device | str = "cpu") -> CostModel:
-    """Analytic cost model of a captured graph on ``device``'s hardware: the CPU (a 0.2 TFLOP model), or on a GPU
-    its preset (``passes.graph.hardware.hardware_for_device``: A100, A800, H100, H200; another GPU is refused,
-    never planned as a CPU). Schemes (tp, pp) with tp dividing the head count (and within a node), pp at most
-    the layer count and tp*pp dividing the world size, each capped by the memory ``runtime`` leaves and at
-    ``tokens_per_rank * tp`` tokens per micro-batch (on the CPU 1024 per rank when None)."""
-    analysis = analyze_graph(canonical_graph(captured))
-    if not analysis.attention:
-        raise ValueError(f"{name} has no attention (no scaled_dot_product_attention call, nor a softmax(q @ k^T) @ v "
-                         "written out): hcompile trains Transformer decoders, and plans by their attention")
-    device = torch.device(device)
-    hardware = hardware_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else CPU
-    heads = min((site.heads for site in analysis.attention), default=1)
-    schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
-               if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)
-               and tp <= hardware.gpus_per_node]
-    model = analytic_cost_model(analysis, hardware, schemes, name=f"{name}@{hardware.name}", world_size=world_size,
-                                runtime=runtime)
-    per_rank = (1024 if hardware is CPU else None) if tokens_per_rank is None else tokens_per_rank
-    return model if per_rank is None else cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
-
-
-def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:
-    """``model`` with each scheme's ``max_tokens`` lowered to ``caps[scheme]``."""
-    entries = tuple(dataclasses.replace(e, max_tokens=min(e.max_tokens, caps.get(e.scheme, e.max_tokens)))
-                    for e in model.entries)
-    return dataclasses.replace(model, entries=entries)
-
-
 class Trainer:
     """Data-parallel replicas of any strategy, planned per step, on every rank of the job."""
 
@@ -308,35 +159,39 @@ class Trainer:
         every rank for the parameters its shard holds); ``state_dict``: initial values on rank 0 (other ranks
         may pass None), streamed to the owners. Neither: the model's own values (every rank's model must
         then hold the same ones). A model built on the meta device needs one of them."""
-        self.options, self.dataset = options, dataset
+        self.options, self.dataset, self.compiled = options, dataset, compiled
         self.ctx = _context()
-        buckets = options.buckets or compiled.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
+        self.plan_timeout_s = options.plan_timeout_s or plan_timeout_s()
+        """How long a step waits for its plan (read when the trainer is built)."""
+        self.buckets = options.buckets or compiled.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
+        """The token buckets micro-batches are padded to (the compiled model's are left alone)."""
         self.param_dtype = options.param_dtype or (torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32)
         """The compute copies' dtype (the master weights and optimiser state stay fp32)."""
-        self.provider = CompiledProvider(compiled, buckets, self.param_dtype, self.ctx.device)
-        self.layout = _layout(self.provider, self.ctx, init=init, state_dict=state_dict)
-        self.vocab_size = token_vocab(self.provider.captured(ANALYSIS_TOKENS).graph_module)
+        analysed = self._captured(ANALYSIS_TOKENS)
+        self.layout = _layout(compiled, analysed, self.ctx, init=init, state_dict=state_dict)
+        self.vocab_size = token_vocab(analysed)
         """Token ids of a batch must be below it (None: the graph's token table was not found; unchecked)."""
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
-        self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, self.provider,
-                                 take_turns=options.replicas_take_turns, param_dtype=self.param_dtype,
-                                 reduce_dtype=options.reduce_dtype)
+        self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, param_dtype=self.param_dtype,
+                                 reduce_dtype=options.reduce_dtype,
+                                 hooks=[TakeTurns()] if options.replicas_take_turns else [])
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
-        model = cost_model or default_cost_model(self.provider.captured(ANALYSIS_TOKENS).graph_module,
-                                                 type(compiled.model).__name__, self.ctx.world_size,
+        model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,
                                                  options.tokens_per_rank, memory, self.ctx.device)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
-        model = bound_caps(model, self._holds(memory), options.tokens_per_rank)  # before any capture at the cap
-        _check_strategies(options.strategies, model, self.provider.captured(ANALYSIS_TOKENS).graph_module,
-                          self.ctx.world_size)
-        capturable = self.provider.largest_bucket(max(e.max_tokens for e in model.entries))
+        model = bound_caps(model, self._holds(analysed, memory), options.tokens_per_rank)  # before any capture there
+        check_strategies(options.strategies, model, analysed, self.ctx.world_size)
+        capturable = self._largest_capturable(max(e.max_tokens for e in model.entries))
         self.cost_model = dataclasses.replace(cap_tokens(model, {e.scheme: capturable for e in model.entries}),
-                                              buckets=buckets.sizes)
+                                              buckets=self.buckets.sizes)
         """What the planner plans with: capped at the largest capturable bucket, each micro-batch charged the
         padding up to its bucket, as the variants run it."""
+        self.lowerings: LoweringCache = compiled.lowerings(*self._compute_copies(), buckets=self.buckets,
+                                                           cost_tokens=self.cost_model.max_tokens)
+        """This trainer's lowerings, variants and stage programs (bound to its compute copies)."""
         params = sum(p.numel() for p in compiled.model.parameters())
         self._self_check = options.self_check and params <= options.self_check_max_params
         if options.self_check and not self._self_check and self.ctx.rank == 0:
@@ -354,13 +209,46 @@ class Trainer:
         self._checked: set[tuple[ParallelScheme, int]] = set()
         """(scheme, TP rank) whose lowering this rank has checked."""
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
+        self._ahead: tuple[Iterator, Sequence[torch.Tensor], tuple[int, ...]] | None = None
+        """(iterator, its next batch, that batch's checked lengths): the batch ``train_step(iterator)`` holds."""
+        self._compute_end: float | None = None
+        """When the last step's compute phase ended (rank 0's clock): what the next plan may hide behind."""
         self.last_plan = None
 
-    def _holds(self, memory: RuntimeMemory) -> tuple[int, float, int]:
+    def _compute_copies(self) -> tuple[torch.dtype | None, torch.device | None]:
+        """(dtype, device) the model is captured for: those of the compute copies."""
+        return self.param_dtype, self.ctx.device
+
+    def _captured(self, tokens: int):
+        return self.compiled.captured(tokens, *self._compute_copies()).graph_module
+
+    def _holds(self, analysed, memory: RuntimeMemory) -> tuple[int, float, int]:
         """How many tokens a rank of this job holds (the smallest over the ranks; collective)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
-        return tokens_a_rank_holds(self.provider.captured(ANALYSIS_TOKENS).graph_module, ANALYSIS_TOKENS,
-                                   self.ctx.device, local, self.layout.numel, self.ctx.world_size, memory)
+        return tokens_a_rank_holds(analysed, ANALYSIS_TOKENS, self.ctx.device, local, self.layout.numel,
+                                   self.ctx.world_size, memory)
+
+    def _largest_capturable(self, up_to: int) -> int:
+        """The largest bucket (up to the first >= ``up_to``) the model can be captured at: capture runs the
+        model on one packed row, so a learned position table bounds a micro-batch's tokens. A bucket that
+        cannot be captured (a ``CaptureError``) ends the search; the smallest one must be."""
+        largest = 0
+        for bucket in self.buckets.sizes:
+            try:
+                self._captured(bucket)
+            except CaptureError as exc:
+                if largest == 0:
+                    raise
+                log.debug("micro-batches stop at %d tokens: capturing %d fails (%s)", largest, bucket, exc)
+                break
+            largest = bucket
+            if bucket >= up_to:
+                break
+        return largest
+
+    def _placement(self, strategy: Strategy) -> tuple[tuple[int, ...], ...]:
+        """Where the planner places ``strategy``'s replicas (the ranks every plan of it carries)."""
+        return assign_ranks(strategy, self.cost_model.gpus_per_node)
 
     def _planner(self, seq_lens: Sequence[int]) -> PlanService:
         if self._service is None:
@@ -378,7 +266,7 @@ class Trainer:
                               refine=self.options.strategies == "auto",  # a listed pool is kept as listed
                               allow=self._compiled_placement)
             self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
-                                        timeout_s=self.options.plan_timeout_s)
+                                        timeout_s=self.plan_timeout_s)
             if self.calibration is not None and self.calibration.state_dict():  # resumed with measured ratios
                 self._service.set_cost_model(self.calibration.model())
             self.warm_up([*pool, fixed])
@@ -387,7 +275,16 @@ class Trainer:
     def _compiled_placement(self, strategy: Strategy) -> bool:
         """Whether every replica of ``strategy`` lands on ranks where a warmed strategy has the same scheme's
         replica: then every variant, TP group and compute copy it needs exists already (no new compilation)."""
-        return all(place in self._warm_places for place in _replica_places(strategy, self.cluster))
+        return all(place in self._warm_places for place in zip(strategy.replicas(), self._placement(strategy)))
+
+    def program(self, plan: StepPlan) -> StageVariants:
+        """This rank's stage program in ``plan`` (collective the first time a placement is met: its process
+        groups are made on every rank)."""
+        replica, stage, tp_rank = plan.position_of(self.ctx.rank)
+        groups = self.executor.groups_for(plan)
+        ranks = plan.replicas[replica]
+        group = comm.group_name(groups.get(ranks.tp_groups[stage]))
+        return self.lowerings.program(ranks.scheme, stage, tp_rank, group)
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
         """Lower, check and compile, before the first step, every variant these strategies can need: for each
@@ -395,63 +292,114 @@ class Trainer:
         cannot be lowered or computes anything else is the same ``LoweringError`` on every rank); then for each
         token bucket up to its replicas' caps, a dry-run step (forward and backward, parameters untouched)
         with one micro-batch of that bucket on every replica that can hold it (collective)."""
-        sizes = self.provider.buckets.sizes
         for strategy in strategies:
             if strategy in self._warm:
                 continue
-            prepare_strategy(strategy, rank=self.ctx.rank, cluster=self.cluster,
-                             groups=self.executor.groups, provider=self.provider, self_check=self._self_check,
-                             checked=self._checked, vocab=self.vocab_size)
-            self._warm.add(strategy)
-            self._warm_places.update(_replica_places(strategy, self.cluster))
             replicas = strategy.replicas()
-            top = [self.provider.buckets.bucket_for(self.cost_model.max_tokens(s)) for s in replicas]
-            for bucket in (b for b in sizes if b <= max(top)):
+            top = [self.buckets.bucket_for(self.cost_model.max_tokens(s)) for s in replicas]
+            dry = _dry_plan(strategy, [0] * len(replicas), self.cost_model.gpus_per_node)
+            prepare_strategy(dry, rank=self.ctx.rank, groups=self.executor.groups_for(dry), lowerings=self.lowerings,
+                             model=self.compiled.model, device=self.ctx.device, dtype=self.param_dtype,
+                             self_check=self._self_check, checked=self._checked, vocab=self.vocab_size)
+            self._warm.add(strategy)
+            self._warm_places.update(zip(replicas, self._placement(strategy)))
+            for bucket in (b for b in self.buckets.sizes if b <= max(top)):
                 lens = [min(bucket, self.cost_model.max_tokens(s)) if bucket <= t else 0
                         for s, t in zip(replicas, top)]
-                self.executor.run_step(_dry_plan(strategy, lens, self.cluster), [
-                    torch.zeros(n, dtype=torch.long) for n in lens if n], dry_run=True)
+                plan = _dry_plan(strategy, lens, self.cost_model.gpus_per_node)
+                self.executor.run_step(plan, [torch.zeros(n, dtype=torch.long) for n in lens if n],
+                                       self.program(plan), dry_run=True)
+
+    def _check(self, batch: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The batch's sequence lengths, once every rank agreed it holds the same batch (collective)."""
+        return tuple(agree_on_batch(batch, self.vocab_size))
 
     def _submit(self, seq_lens: Sequence[int], strategy: str | None) -> None:
         self._planner(seq_lens).submit(list(seq_lens), Strategy.parse(strategy) if strategy else None)
         self._submitted = (tuple(seq_lens), strategy)
 
-    def train_step(self, batch: Sequence[torch.Tensor], strategy: str | None = None,
-                   next_batch: Sequence[torch.Tensor] | None = None) -> StepStats:
-        """Train on one global batch (the same list of 1-D token tensors on every rank). ``strategy`` forces
-        one; ``next_batch`` lets rank 0 plan the next step while this one runs."""
-        seq_lens = agree_on_batch(batch, self.vocab_size)  # before any other collective
-        if next_batch is not None:
-            agree_on_batch(next_batch, self.vocab_size)
+    def train_step(self, batch: Sequence[torch.Tensor] | Iterator[Sequence[torch.Tensor]],
+                   strategy: str | None = None) -> StepStats | None:
+        """Train on one global batch (the same list of 1-D token tensors on every rank); ``strategy`` forces one.
+        A batch's plan is made when it is called, so nothing hides the planning. Given an iterator of global
+        batches instead, it trains on the next one while rank 0 plans the one after, keeping it (checked) for
+        the next call with the same iterator; None when the iterator is exhausted. ``fit`` is that loop."""
+        if isinstance(batch, Iterator):
+            if strategy is not None:
+                raise ValueError("strategy= forces one batch's strategy; pass a batch, not an iterator, with it")
+            return self._next_step(batch, look_ahead=True)
+        return self._step(batch, self._check(batch), strategy, None)
+
+    def fit(self, batches: Iterable[Sequence[torch.Tensor]], steps: int | None = None,
+            on_step: Callable[[int, StepStats], Any] | None = None) -> StepStats | None:
+        """Train on ``batches`` (any iterable of global batches, the same on every rank), ``steps`` of them
+        (None: until it ends), keeping one batch ahead: each batch is checked once, and its plan is computed
+        on rank 0 while the previous step runs (``StepStats.plan_hidden``); no batch past the last step is
+        taken from ``batches``. ``on_step(step, stats)`` is called after each step (0-based), on every rank.
+        Returns the last step's statistics (None for no batch)."""
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"steps must be a non-negative integer or None, got {steps!r}")
+        source, stats, done = iter(batches), None, 0
+        while steps is None or done < steps:
+            step = self._next_step(source, look_ahead=steps is None or done + 1 < steps)
+            if step is None:
+                break
+            stats = step
+            if on_step is not None:
+                on_step(done, stats)
+            done += 1
+        return stats
+
+    def _next_step(self, source: Iterator, look_ahead: bool) -> StepStats | None:
+        """The step on ``source``'s next batch (the one held from the last call, or pulled and checked now);
+        with ``look_ahead`` the batch after it is pulled, checked and planned while this step runs."""
+        if self._ahead is None or self._ahead[0] is not source:
+            first = next(source, None)
+            if first is None:
+                return None
+            self._ahead = (source, first, self._check(first))
+        _, current, lens = self._ahead
+        upcoming = next(source, None) if look_ahead else None
+        upcoming_lens = self._check(upcoming) if upcoming is not None else None
+        self._ahead = (source, upcoming, upcoming_lens) if upcoming is not None else None
+        return self._step(current, lens, None, upcoming_lens)
+
+    def _step(self, batch: Sequence[torch.Tensor], seq_lens: tuple[int, ...], strategy: str | None,
+              upcoming: tuple[int, ...] | None) -> StepStats:
+        """One step on a checked batch; ``upcoming``: the next batch's lengths, planned while this step runs."""
         if global_pair_count(seq_lens) == 0:
-            return self._skip(seq_lens, next_batch)
-        if self._submitted != (tuple(seq_lens), strategy):
+            return self._skip(seq_lens, upcoming)
+        if self._submitted != (seq_lens, strategy):
             if self._submitted is not None:
                 self._service.take()  # a stale prefetch: drain it so every rank stays in step
             self._submit(seq_lens, strategy)
+            self._compute_end = None  # planned now: nothing ran while it was planned
         self._submitted = None
-        planned = self._service.take()
-        if next_batch is not None:
-            self._submit([int(t.numel()) for t in next_batch], None)
+        planned = self._service.take(self._compute_end)
+        if upcoming is not None and global_pair_count(upcoming) > 0:
+            self._submit(upcoming, None)
         self.last_plan = planned
-        stats = self.executor.run_step(planned.plan, batch)  # each rank copies only its micro-batches over
+        stats = self.executor.run_step(planned.plan, batch, self.program(planned.plan))
+        self._compute_end = stats.compute_window[1]
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model
             self.calibration.observe(planned.plan, stats.busy_ms)
             self._service.set_cost_model(self.calibration.model())
-        return dataclasses.replace(stats, plan_ms=planned.plan_ms, plan_hidden=planned.hidden)
+        return dataclasses.replace(stats, compilations=self.lowerings.compilations(), plan_ms=planned.plan_ms,
+                                   plan_hidden=planned.hidden, plan_window=planned.window)
 
-    def _skip(self, seq_lens: Sequence[int], next_batch: Sequence[torch.Tensor] | None) -> StepStats:
+    def _skip(self, seq_lens: Sequence[int], upcoming: tuple[int, ...] | None) -> StepStats:
         """A batch without a next-token pair (only 1-token sequences): nothing runs and nothing changes (no
         optimiser step, no weight decay); a plan prefetched for it is drained and the next batch's submitted."""
         if self._submitted is not None:
             self._service.take()
             self._submitted = None
-        if next_batch is not None:
-            self._submit([int(t.numel()) for t in next_batch], None)
+        if upcoming is not None and global_pair_count(upcoming) > 0:
+            self._submit(upcoming, None)
+            self._compute_end = None
         world = self.ctx.world_size
         return StepStats(loss=0.0, tokens=sum(seq_lens), strategy="", busy_ms=(0.0,) * world, wall_ms=0.0,
-                         recompiles=self.provider.recompiles(), traffic=Traffic(), tokens_per_rank=(0,) * world,
-                         skipped=True)
+                         compilations=self.lowerings.compilations(), traffic=Traffic(),
+                         tokens_computed=(0,) * world, skipped=True)
 
     def save(self, path: str, step: int, data_position: Any, keep: int = DEFAULT_KEEP) -> None:
         """Checkpoint the fixed layout, optimiser state, RNG, step, data position, strategy pool and cost-model
@@ -498,7 +446,7 @@ class Trainer:
         """Write the trained parameters as a Hugging Face folder (``hcompile.export``): the model's own names,
         a tied weight once, safetensors shards of at most ``max_shard_size``, the model's config; loads with
         ``AutoModelForCausalLM.from_pretrained(path)``. Collective (rank 0 writes; returns its file names)."""
-        return save_pretrained(self.provider.compiled.model, self.layout, path, dtype=dtype,
+        return save_pretrained(self.compiled.model, self.layout, path, dtype=dtype,
                                max_shard_size=max_shard_size)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -522,65 +470,31 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
-def _check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph: fx.GraphModule, world: int) -> None:
-    """Listed strategies that this job can run: every one covering the job's ranks with schemes of the cost
-    model; otherwise a ValueError saying why (the head count a TP degree does not divide, ...)."""
-    if strategies == "auto":
-        return
-    known = {e.scheme for e in model.entries}
-    analysis = analyze_graph(canonical_graph(graph))
-    heads = min((site.heads for site in analysis.attention), default=1)
-    for text in strategies:
-        strategy = Strategy.parse(text)
-        if strategy.gpus != world:
-            raise ValueError(f"strategy {text!r} covers {strategy.gpus} ranks, the job has {world}")
-        for scheme in strategy.schemes:
-            if heads % scheme.tp:
-                raise ValueError(f"strategy {text!r}: tp{scheme.tp} does not divide the model's {heads} attention "
-                                 "heads")
-            if scheme.pp > max(1, analysis.layers):
-                raise ValueError(f"strategy {text!r}: pp{scheme.pp} is more than the model's {analysis.layers} "
-                                 "layers")
-            if scheme not in known:
-                raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
-                                 f"({', '.join(s.describe() for s in sorted(known, key=str))})")
-
-
-def _layout(provider: CompiledProvider, ctx: DistContext, *, init: Init | None,
+def _layout(compiled: CompiledModel, analysed, ctx: DistContext, *, init: Init | None,
             state_dict: Mapping[str, torch.Tensor] | None) -> FixedLayout:
-    """The fixed layout of the model's parameters (split dims stored outermost), filled once from what rank 0
-    was given: a state dict (streamed to the owners), an initialiser, or else the model's own values."""
-    if init is not None and state_dict is not None:
-        raise ValueError("pass an initialiser or a state dict, not both")
-    named = dict(provider.compiled.model.named_parameters())
-    dims = split_dims(canonical_graph(provider.captured(ANALYSIS_TOKENS).graph_module))
+    """The fixed layout of the model's parameters (tensor parallelism's split dims stored outermost), filled once
+    from what rank 0 was given (``runtime.fixed_layout.fill_layout``)."""
+    named = dict(compiled.model.named_parameters())
+    try:
+        dims = split_dims(canonical_graph(analysed))
+    except PassError as exc:  # every tp > 1 strategy is then refused by its lowering, with this reason
+        log.info("tensor parallelism has no form for this model (%s); the fixed layout stores parameters whole", exc)
+        dims = {}
     layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
-    source = comm.broadcast_object("state_dict" if state_dict is not None else "init" if init is not None else "model")
-    if source == "state_dict":
-        layout.stream_from_rank0(state_dict if ctx.rank == 0 else None)
-    elif source == "init":
-        if init is None:
-            raise ValueError(f"rank 0 initialises the parameters with an initialiser, rank {ctx.rank} has none")
-        layout.initialise(init)
-    else:
-        layout.fill_from(named)
+    fill_layout(layout, init=init, state_dict=state_dict, named=named)
     return layout
 
 
-def _replica_places(strategy: Strategy, cluster: Cluster) -> list[tuple[ParallelScheme, tuple[int, ...]]]:
-    """Each replica of ``strategy`` as (scheme, ranks), where the runtime places it."""
-    return list(zip(strategy.replicas(), place(strategy, cluster).replica_ranks))
-
-
-def _dry_plan(strategy: Strategy, lens: list[int], cluster: Cluster) -> StepPlan:
-    """A plan giving replica i one sequence of ``lens[i]`` tokens (none when 0)."""
-    placement = place(strategy, cluster)
-    seq_lens, replicas = [], []
-    for scheme, ranks, n in zip(strategy.replicas(), placement.replica_ranks, lens):
-        micro = ((len(seq_lens),),) if n else ()
+def _dry_plan(strategy: Strategy, lens: list[int], gpus_per_node: int) -> StepPlan:
+    """A plan giving replica i one sequence of ``lens[i]`` tokens (none when 0), placed as the planner does."""
+    seq_lens: list[int] = []
+    micro = []
+    for n in lens:
+        micro.append(((len(seq_lens),),) if n else ())
         seq_lens.extend([n] if n else [])
-        replicas.append(ReplicaPlan(scheme=scheme, ranks=ranks, micro_batches=micro, max_tokens=max(n, 1), est_ms=0.0))
-    return StepPlan(strategy=strategy, seq_lens=tuple(seq_lens), replicas=tuple(replicas), est_step_ms=0.0,
+    replicas = placed_replicas(strategy, gpus_per_node, micro_batches=tuple(micro),
+                               max_tokens=tuple(max(n, 1) for n in lens))
+    return StepPlan(strategy=strategy, seq_lens=tuple(seq_lens), replicas=replicas, est_step_ms=0.0,
                     lower_bound_ms=0.0, policy="warm-up")
 
 

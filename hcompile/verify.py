@@ -17,14 +17,12 @@ from torch import nn
 from torch.func import functional_call
 
 from hcompile.capture import without_kv_cache
+from passes.graph.lowering import Lowering, LoweringCache, lower_graph
 from passes.graph.lowering_check import LoweringError, Reference, check_lowering
-from passes.graph.variant import lower_graph
-from passes.plan.ir import ParallelScheme, Strategy
+from passes.plan.ir import StepPlan
 from runtime import distributed as comm
-from runtime.topology import Cluster, place
 
 if TYPE_CHECKING:
-    from hcompile.train import CompiledProvider
     from runtime.distributed import GroupCache
 
 __all__ = ["model_reference", "prepare_strategy", "LoweringError"]
@@ -62,19 +60,20 @@ def _refuse(errors: list[str], what: str) -> None:
                                                                      if len(unique) > 4 else ""))
 
 
-def prepare_strategy(strategy: Strategy, *, rank: int, cluster: Cluster, groups: "GroupCache",
-                     provider: "CompiledProvider", self_check: bool, checked: set, vocab: int | None) -> None:
-    """Build this rank's stage program of ``strategy`` (its first token bucket) and, with ``self_check``, check
-    its lowering on a probe the first time this (scheme, TP rank) is met (``checked`` remembers them).
+def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerings: LoweringCache, model: nn.Module,
+                     device: torch.device, dtype: torch.dtype, self_check: bool, checked: set,
+                     vocab: int | None) -> None:
+    """Build this rank's lowering of ``plan``'s strategy and its variant at the first token bucket and, with
+    ``self_check``, check the lowering on a probe the first time this (scheme, TP rank) is met (``checked``
+    remembers them). ``plan``: the strategy placed (its data does not matter); ``groups``: its process groups.
     Collective; raises the same :class:`LoweringError` on every rank when any rank failed."""
-    placement = place(strategy, cluster)
-    groups.prepare(placement)
-    replica, stage, tp_rank = placement.stage_of(rank)
-    scheme = strategy.replicas()[replica]
-    tp_group = groups.get(placement.tp_groups(replica)[stage])
+    strategy = plan.strategy
+    replica, stage, tp_rank = plan.position_of(rank)
+    scheme = plan.replicas[replica].scheme
+    group = comm.group_name(groups.get(plan.replicas[replica].tp_groups[stage]))
     error = None
     try:
-        provider.stage(scheme, stage, tp_rank, tp_group)
+        lowerings.variant(scheme, stage, lowerings.buckets.sizes[0], tp_rank, group)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, whatever it is
         error = f"{scheme.describe()} on rank {rank}: {type(e).__name__}: {e}"
     _refuse(_agree(error), f"strategy {strategy.describe()} cannot be lowered")
@@ -83,9 +82,9 @@ def prepare_strategy(strategy: Strategy, *, rank: int, cluster: Cluster, groups:
     key = (scheme, tp_rank)
     if key not in checked:  # the ranks that checked before still take part in the agreement below
         checked.add(key)
-        name = comm.group_name(tp_group)
         try:
-            report = _check(provider, scheme, tp_rank, name, vocab)
+            report = _check(lowerings, lowerings.lowering(scheme, stage, tp_rank, group), group, vocab, model,
+                            device, dtype)
             error = None if report.ok else report.describe()
             log.debug("lowering check: %s", report.describe())
         except Exception as e:  # noqa: BLE001
@@ -96,15 +95,14 @@ def prepare_strategy(strategy: Strategy, *, rank: int, cluster: Cluster, groups:
             "model)")
 
 
-def _check(provider: "CompiledProvider", scheme: ParallelScheme, tp_rank: int, group: str | None,
-           vocab: int | None):
-    bucket = provider.buckets.sizes[0]
-    captured = provider.captured(bucket)
+def _check(lowerings: LoweringCache, lowering: Lowering, group: str | None, vocab: int | None, model: nn.Module,
+           device: torch.device, dtype: torch.dtype):
+    """The decided lowering of (scheme, TP rank), every stage of it, on a probe at the first bucket."""
+    scheme, tp_rank = lowering.scheme, lowering.tp_rank
     lower: Callable = lambda gm: lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group,  # noqa: E731
-                                             attention_kernel=provider.compiled.kernel)
-    device = torch.device(provider.device) if provider.device is not None else torch.device("cpu")
-    dtype = provider.dtype or torch.float32
-    return check_lowering(captured.graph_module, scheme, tp_rank=tp_rank, tp_group=group, lower=lower,
-                          reference=model_reference(provider.compiled.model, device),
-                          buffer=lambda n, v: provider.buffer(n) if v.device.type == "meta" else v,
-                          vocab=vocab or 2, device=device, dtype=dtype, output_index=captured.output_index)
+                                             attention_kernel=lowerings.kernel,
+                                             tensor_parallel=lowering.tensor_parallel, pipeline=lowering.pipeline)
+    return check_lowering(lowerings.capture(lowerings.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=group,
+                          lower=lower, reference=model_reference(model, device),
+                          buffer=lambda n, v: lowerings.buffer(n) if v.device.type == "meta" else v,
+                          vocab=vocab or 2, device=device, dtype=dtype)

@@ -23,8 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from passes.plan.ir import Strategy
-from runtime.topology import Placement
+from passes.plan.ir import ReplicaPlan
 
 __all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S", "ProcessGroup", "Work",
            "is_initialized", "world_size", "rank", "backend", "group_device", "all_gather_object",
@@ -103,18 +102,20 @@ class GroupCache:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        self._strategies: set[Strategy] = set()
+        self._placements: set[tuple[tuple[tuple[int, ...], ...], ...]] = set()
 
-    def prepare(self, placement: Placement) -> None:
-        """Create (once) the groups ``placement`` uses: the tensor-parallel group of every stage of every replica
-        (pipeline neighbours talk point to point on the default group, replicas not at all). Under NCCL each
-        group is a communicator, so nothing else is made."""
-        if placement.strategy in self._strategies:
+    def prepare(self, replicas: Sequence[ReplicaPlan]) -> None:
+        """Create (once per placement) the groups ``replicas`` use: the tensor-parallel group of every stage of
+        every replica (pipeline neighbours talk point to point on the default group, replicas not at all). Under
+        NCCL each group is a communicator, so nothing else is made. Collective: every rank passes the same
+        replicas (``StepPlan.replicas``)."""
+        placement = tuple(r.tp_groups for r in replicas)
+        if placement in self._placements:
             return
-        for replica in range(len(placement.replica_ranks)):
-            for group in placement.tp_groups(replica):
+        for groups in placement:
+            for group in groups:
                 self._make(group)
-        self._strategies.add(placement.strategy)
+        self._placements.add(placement)
 
     @property
     def sizes(self) -> list[int]:

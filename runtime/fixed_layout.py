@@ -22,15 +22,10 @@ from torch import nn
 from passes.graph.tensor_parallel import ParamSlice
 from runtime import distributed as comm
 
-__all__ = ["ParamSlice", "ParamSpec", "FixedLayout", "full_slice", "Init"]
+__all__ = ["ParamSpec", "FixedLayout", "Init", "fill_layout"]
 
 Init = Callable[[str, torch.Tensor], None]
 """Fills the full fp32 tensor of one named parameter in place; must give every rank the same values."""
-
-
-def full_slice(name: str, shape: tuple[int, ...]) -> ParamSlice:
-    """The whole parameter (what a tensor-parallel degree of 1 holds)."""
-    return ParamSlice(name=name, full_shape=tuple(shape))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,3 +225,22 @@ class FixedLayout:
         comm.all_gather_into(flat, self.shard.detach())
         return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # contiguous, not a view
                 for name, t in self.views(flat).items()}
+
+
+def fill_layout(layout: FixedLayout, *, init: Init | None, state_dict: Mapping[str, torch.Tensor] | None,
+                named: Mapping[str, torch.Tensor]) -> None:
+    """Fill ``layout`` once from what rank 0 was given (collective): a state dict (streamed from rank 0 to the
+    owners), an initialiser (run on every rank for its shard), or else ``named``, the model's own values (every
+    rank must then hold the same). Rank 0's choice is every rank's; a rank without the initialiser rank 0
+    uses is a ValueError."""
+    if init is not None and state_dict is not None:
+        raise ValueError("pass an initialiser or a state dict, not both")
+    source = comm.broadcast_object("state_dict" if state_dict is not None else "init" if init is not None else "model")
+    if source == "state_dict":
+        layout.stream_from_rank0(state_dict if layout.rank == 0 else None)
+    elif source == "init":
+        if init is None:
+            raise ValueError(f"rank 0 initialises the parameters with an initialiser, rank {layout.rank} has none")
+        layout.initialise(init)
+    else:
+        layout.fill_from(named)

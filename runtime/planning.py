@@ -1,5 +1,5 @@
 """Planning off the critical path: rank 0 plans step i+1 in a background thread while step i runs, then
-broadcasts the plan so that every rank runs the same one."""
+broadcasts the plan so that every rank runs the same one, with when it was planned (hidden or not)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,25 @@ from passes.plan.policies import Planner
 from runtime import distributed as comm
 from runtime.cpu_clock import RankCpuClock
 
-__all__ = ["PlanService", "PlannedStep", "PlanTimeout", "DEFAULT_PLAN_TIMEOUT_S"]
+__all__ = ["PlanService", "PlannedStep", "PlanTimeout", "DEFAULT_PLAN_TIMEOUT_S", "plan_timeout_s"]
 
-DEFAULT_PLAN_TIMEOUT_S = float(os.environ.get("HCOMPILE_PLAN_TIMEOUT_S", 120.0))
-"""How long a step waits for its plan (env ``HCOMPILE_PLAN_TIMEOUT_S``)."""
+DEFAULT_PLAN_TIMEOUT_S = 120.0
+"""How long a step waits for its plan unless ``HCOMPILE_PLAN_TIMEOUT_S`` or the trainer says otherwise."""
+
+
+def plan_timeout_s() -> float:
+    """The planning timeout of a trainer built now: env ``HCOMPILE_PLAN_TIMEOUT_S``, else the default; a value
+    that is not a positive number is a ValueError naming it."""
+    text = os.environ.get("HCOMPILE_PLAN_TIMEOUT_S")
+    if text is None:
+        return DEFAULT_PLAN_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"HCOMPILE_PLAN_TIMEOUT_S={text!r}: expected a positive number of seconds")
+    return value
 
 
 class PlanTimeout(RuntimeError):
@@ -32,7 +47,11 @@ class PlannedStep:
     plan_ms: float
     """Planning wall time on rank 0."""
     hidden: bool
-    """Whether planning had finished before the plan was needed (hidden behind the previous step)."""
+    """Whether the plan was computed while the previous step ran: planning started before that step's compute
+    phase ended (``previous_compute_end`` of ``take``) and finished before ``take`` was called (rank 0's
+    clock). A plan submitted and taken with no step between is never hidden, however quick."""
+    window: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """(planning started, planning finished, plan needed) on rank 0's ``time.perf_counter``."""
 
 
 class PlanService:
@@ -49,6 +68,8 @@ class PlanService:
         """Where the planning thread registers as background work (the executor's clock), if given."""
         self._thread: threading.Thread | None = None
         self._result: tuple[StepPlan | None, float, BaseException | None] = (None, 0.0, None)
+        self._window = (0.0, 0.0)
+        """(started, finished) of the last planning, ``time.perf_counter`` seconds on rank 0."""
         self._next_cost_model: CostModel | None = None
 
     def set_cost_model(self, cost_model: CostModel) -> None:
@@ -72,34 +93,41 @@ class PlanService:
         if self._next_cost_model is not None:  # no planning thread is running now
             self.planner.cost_model, self._next_cost_model = self._next_cost_model, None
 
+        started = time.perf_counter()
+        self._window = (started, float("inf"))
+
         def work() -> None:
-            started = time.perf_counter()
             try:
                 plan = self.planner.plan(seq_lens, self.policy, strategy=strategy)
                 self._result = (plan, (time.perf_counter() - started) * 1e3, None)
             except BaseException as exc:  # re-raised on the calling thread in take()
                 self._result = (None, 0.0, exc)
+            self._window = (started, time.perf_counter())
 
         target = work if self.cpu_clock is None else self.cpu_clock.background(work)
         self._thread = threading.Thread(target=target, name="hcompile-planner", daemon=True)
         self._thread.start()
 
-    def take(self) -> PlannedStep:
-        """The submitted plan, broadcast from rank 0 (collective: every rank calls it)."""
+    def take(self, previous_compute_end: float | None = None) -> PlannedStep:
+        """The submitted plan, broadcast from rank 0 (collective: every rank calls it). ``previous_compute_end``:
+        when the previous step's compute phase ended on rank 0 (``time.perf_counter``; None: no step ran
+        since the plan was submitted), which says whether the planning was hidden behind it."""
         payload: list = [None]
         if self.rank == 0:
             if self._thread is None:
                 raise RuntimeError("take() without submit()")
-            hidden = not self._thread.is_alive()
+            needed = time.perf_counter()
             self._thread.join(timeout=self.timeout_s)
+            started, finished = self._window
+            hidden = previous_compute_end is not None and started < previous_compute_end and finished <= needed
             if self._thread.is_alive():  # left behind (a daemon thread); this job cannot go on
                 plan, plan_ms, error = None, 0.0, PlanTimeout(
                     f"planning a step took more than {self.timeout_s:g} s (a hung planner?); every rank stops")
             else:
                 plan, plan_ms, error = self._result
             self._thread = None
-            payload = [(plan, plan_ms, hidden, error)]
-        plan, plan_ms, hidden, error = comm.broadcast_object(payload[0])
+            payload = [(plan, plan_ms, hidden, error, (started, finished, needed))]
+        plan, plan_ms, hidden, error, window = comm.broadcast_object(payload[0])
         if error is not None:  # the same exception on every rank, so that every rank stops or goes on alike
             raise error
-        return PlannedStep(plan=plan, plan_ms=plan_ms, hidden=hidden)
+        return PlannedStep(plan=plan, plan_ms=plan_ms, hidden=hidden, window=window)

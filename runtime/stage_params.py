@@ -17,7 +17,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from runtime.fixed_layout import FixedLayout, ParamSlice
+from passes.graph.tensor_parallel import ParamSlice
+from runtime.fixed_layout import FixedLayout
 
 __all__ = ["StageParams", "merge_ranges"]
 

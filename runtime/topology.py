@@ -2,20 +2,21 @@
 
 The cluster is a networkx graph: one vertex per device (rank) and one per node switch; intra-node links
 carry ``intra_node_gbps``, node uplinks ``inter_node_gbps``. A strategy's replicas are placed on contiguous,
-node-aligned ranks (``passes.plan.placement``) and the placement is checked against the graph: every TP group
-lies inside one node or spans whole nodes.
+node-aligned ranks by the planner (``passes.plan.placement``; ``ReplicaPlan.ranks`` is the one placement every
+layer reads); :func:`check_placement` checks a plan's placement against the cluster: every TP group lies
+inside one node or spans whole nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import networkx as nx
 
-from passes.plan.ir import PlanError, Strategy
-from passes.plan.placement import assign_ranks
+from passes.plan.ir import PlanError, ReplicaPlan
 
-__all__ = ["Cluster", "Placement", "place"]
+__all__ = ["Cluster", "check_placement"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,46 +79,15 @@ class Cluster:
         return worst
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Placement:
-    """Where a strategy runs: per replica its ranks and, per pipeline stage, its TP group."""
-
-    strategy: Strategy
-    """The strategy placed."""
-    replica_ranks: tuple[tuple[int, ...], ...]
-    """Ranks of each replica, in ``strategy.replicas()`` order, stage-major."""
-
-    def replica_of(self, rank: int) -> int:
-        """Index of the replica that holds ``rank``."""
-        for i, ranks in enumerate(self.replica_ranks):
-            if rank in ranks:
-                return i
-        raise PlanError(f"rank {rank} is not placed by {self.strategy.describe()}")
-
-    def tp_groups(self, replica: int) -> tuple[tuple[int, ...], ...]:
-        """One TP group (ranks) per pipeline stage of ``replica``."""
-        scheme = self.strategy.replicas()[replica]
-        ranks, width = self.replica_ranks[replica], scheme.tp * scheme.cp
-        return tuple(ranks[s * width:(s + 1) * width] for s in range(scheme.pp))
-
-    def stage_of(self, rank: int) -> tuple[int, int, int]:
-        """(replica, pipeline stage, rank within the TP group) of ``rank``."""
-        replica = self.replica_of(rank)
-        for stage, group in enumerate(self.tp_groups(replica)):
-            if rank in group:
-                return replica, stage, group.index(rank)
-        raise AssertionError("unreachable")
-
-
-def place(strategy: Strategy, cluster: Cluster) -> Placement:
-    """Place ``strategy`` on ``cluster``; a TP group never crosses a node boundary it does not fill."""
-    if strategy.gpus != cluster.world_size:
-        raise PlanError(f"strategy {strategy.describe()} needs {strategy.gpus} ranks, the job has "
-                        f"{cluster.world_size}")
-    placement = Placement(strategy=strategy, replica_ranks=assign_ranks(strategy, cluster.gpus_per_node))
-    for replica in range(len(placement.replica_ranks)):
-        for group in placement.tp_groups(replica):
+def check_placement(replicas: Sequence[ReplicaPlan], cluster: Cluster) -> None:
+    """The planner's placement (``ReplicaPlan.ranks``) on this cluster: every rank once, and no TP group across a
+    node boundary it does not fill; otherwise a PlanError naming the group."""
+    ranks = sorted(r for replica in replicas for r in replica.ranks)
+    if ranks != list(range(cluster.world_size)):
+        raise PlanError(f"the plan places its replicas on ranks {ranks}, the job has ranks 0..{cluster.world_size - 1}")
+    for replica in replicas:
+        for group in replica.tp_groups:
             nodes = {cluster.node_of(r) for r in group}
             if len(nodes) > 1 and len(group) % cluster.gpus_per_node:
-                raise PlanError(f"TP group {group} of {strategy.describe()} crosses a node boundary")
-    return placement
+                raise PlanError(f"TP group {group} of a {replica.scheme.describe()} replica crosses a node boundary "
+                                f"(nodes of {cluster.gpus_per_node} ranks)")

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from runtime.fixed_layout import full_slice
+from passes.graph.tensor_parallel import ParamSlice
 
 VOCAB, HIDDEN, HEADS, LAYERS, MAX_POS = 61, 32, 4, 4, 256
 
@@ -60,7 +60,7 @@ class StagedProgram:
         if stage == pp - 1:
             names += ["ln_f", "head"]
         shapes = {n: tuple(t.shape) for n, t in init_params(0).items()}
-        self.param_slices = {n: full_slice(n, shapes[n]) for n in names}
+        self.param_slices = {n: ParamSlice(name=n, full_shape=shapes[n]) for n in names}
         self.params: dict[str, torch.Tensor] = {}
 
     def bind(self, params):
@@ -83,19 +83,19 @@ def forward_stage(p, stage, pp, x, cu_seqlens):
     return x
 
 
-class StagedProvider:
-    """VariantProvider for the staged LM (tensor parallel degree 1 only): one program per (pp, stage)."""
+class StagedPrograms:
+    """Stage programs of the staged LM (tensor parallel degree 1 only): one per (pp, stage)."""
 
     def __init__(self):
         self.programs = {}
 
-    def stage(self, scheme, stage, tp_rank, tp_group):
+    def program(self, plan, rank):
+        """The program of ``rank``'s place in ``plan``."""
+        replica, stage, _ = plan.position_of(rank)
+        scheme = plan.replicas[replica].scheme
         if scheme.tp != 1:
             raise ValueError(f"the staged test LM has no tensor-parallel form, got {scheme.describe()}")
         return self.programs.setdefault((scheme.pp, stage), StagedProgram(stage, scheme.pp))
-
-    def recompiles(self) -> int:
-        return 0
 
 
 def reference_loss(p, batch):

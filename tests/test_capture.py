@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from hcompile.capture import CaptureError, capture, capture_joint
+from hcompile.capture import CaptureError, capture
 from hcompile.models import GPT, Llama, init_weights_
-from passes.graph.analyze import classify_node
 
 
 @pytest.mark.parametrize("model_cls", [GPT, Llama])
@@ -19,7 +18,7 @@ def test_capture_matches_eager_and_keeps_parameters(model_cls):
     cap = capture(model, ids)
     gm = cap.graph_module
     assert [n.op for n in gm.graph.nodes].count("placeholder") == 1
-    torch.testing.assert_close(gm(ids)[cap.output_index], model(ids), rtol=0, atol=0)
+    torch.testing.assert_close(gm(ids)[0], model(ids), rtol=0, atol=0)
     # parameters are the model's own objects: gradients land on the model
     first = cap.param_names[0]
     assert gm.get_parameter(first) is model.get_parameter(first)
@@ -64,16 +63,7 @@ def test_output_object_with_logits_is_found():
     model = _ObjectOut()
     x = torch.randn(3, 4)
     cap = capture(model, x)
-    torch.testing.assert_close(cap.graph_module(x)[cap.output_index], model(x).logits)
-
-
-def test_capture_joint_gives_forward_and_backward_graphs():
-    model = init_weights_(GPT())
-    cap = capture(model, torch.randint(0, 96, (1, 8)))
-    fw, bw = capture_joint(cap)
-    classes = {classify_node(n).value for n in fw.graph.nodes}
-    assert {"linear", "attention", "norm", "embedding"} <= classes  # aten-level ops are classified too
-    assert any(n.op == "call_function" for n in bw.graph.nodes)
+    torch.testing.assert_close(cap.graph_module(x)[0], model(x).logits)
 
 
 _CacheOut = collections.namedtuple("_CacheOut", "logits extra")
@@ -103,5 +93,5 @@ def test_capture_keeps_the_logits_only_without_cache_concatenation():
     assert model.seen_use_cache is False and model.config.use_cache is True  # traced without, then restored
     nodes = list(cap.graph_module.graph.nodes)
     assert not any(n.op == "call_function" and n.target is torch.cat for n in nodes)
-    assert cap.output_index == 0 and len(nodes[-1].args[0]) == 1
+    assert len(nodes[-1].args[0]) == 1  # the logits alone
     torch.testing.assert_close(cap.graph_module(x)[0], model(x).logits)

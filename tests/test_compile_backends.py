@@ -32,7 +32,7 @@ def _train(rank, world, backend):
     out = []
     for step, batch in enumerate(_batches()):
         stats = trainer.train_step(batch, strategy=STRATEGIES[step % 2])
-        out.append((stats.loss, stats.recompiles, trainer.full_state_dict()))
+        out.append((stats.loss, stats.compilations, trainer.full_state_dict()))
     return out
 
 

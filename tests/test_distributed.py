@@ -41,12 +41,12 @@ def test_tensors_go_where_the_group_works_whatever_the_default_device():
 
 def _groups(rank, world):
     from passes.plan.ir import Strategy
+    from passes.plan.placement import placed_replicas
     from runtime.distributed import GroupCache
-    from runtime.topology import Cluster, place
 
     cache = GroupCache()
     for text in ("4x(tp1)", "2x(tp1,pp2)", "2x(tp2)", "1x(tp2,pp2)"):
-        cache.prepare(place(Strategy.parse(text), Cluster.local(world)))
+        cache.prepare(placed_replicas(Strategy.parse(text), world))
     return sorted(cache.sizes)
 
 

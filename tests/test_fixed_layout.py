@@ -8,7 +8,8 @@ import torch
 from dist_util import run_ranks
 
 from hcompile.init import normal_init
-from runtime.fixed_layout import FixedLayout, ParamSlice, full_slice
+from passes.graph.tensor_parallel import ParamSlice
+from runtime.fixed_layout import FixedLayout
 
 SHAPES = {"emb": (6, 4), "row": (4, 6), "bias": (5,), "col": (6, 3)}
 DIMS = {"row": 1, "col": 0}  # row-parallel weight split by input features: stored transposed
@@ -39,7 +40,7 @@ def test_slice_ranges_are_one_range_per_block_along_the_split_dim():
     # a dim that is not stored outermost: one range per outer index
     emb = ParamSlice(name="emb", full_shape=(6, 4), dim=1, ranges=((1, 3),))
     assert layout.slice_ranges(emb) == [(o * 4 + 1, o * 4 + 3) for o in range(6)]
-    assert layout.slice_ranges(full_slice("bias", (5,))) == [(48, 53)]
+    assert layout.slice_ranges(ParamSlice(name="bias", full_shape=(5,))) == [(48, 53)]
 
 
 def test_slice_ranges_select_exactly_the_slice_elements():

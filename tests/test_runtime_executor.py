@@ -3,7 +3,7 @@
 import pytest
 import torch
 from dist_util import run_ranks
-from staged_lm import StagedProvider, init_params, reference_loss
+from staged_lm import StagedPrograms, init_params, reference_loss
 
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
 from passes.plan.placement import assign_ranks
@@ -25,18 +25,20 @@ def _train(rank, world, strategies, lr, take_turns=False):
     from runtime.distributed import DistContext
     from runtime.executor import Executor
     from runtime.fixed_layout import FixedLayout
+    from runtime.measure import TakeTurns
     from runtime.topology import Cluster
 
     ctx = DistContext(rank=rank, world_size=world, dist_backend="gloo", device=torch.device("cpu"))
     layout = FixedLayout.from_tensors(init_params(0), rank, world)
-    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr), StagedProvider(),
-                  take_turns=take_turns)
+    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr),
+                  hooks=[TakeTurns()] if take_turns else [])
+    programs = StagedPrograms()
     planner = Planner(CPU_MODEL, world, [Strategy.parse("4x(tp1)")], fixed=Strategy.parse("4x(tp1)"))
     out = []
     for strategy, batch in zip(strategies, batches()):
         plan = planner.plan([len(s) for s in batch], strategy=Strategy.parse(strategy))
-        stats = ex.run_step(plan, batch)
-        out.append((stats.loss, stats.strategy, stats.tokens_per_rank, layout.full_state_dict()))
+        stats = ex.run_step(plan, batch, programs.program(plan, rank))
+        out.append((stats.loss, stats.strategy, stats.tokens_computed, layout.full_state_dict()))
     return out
 
 

@@ -4,7 +4,7 @@ against single-process AdamW, and a checkpoint resume that continues exactly."""
 import pytest
 import torch
 from dist_util import run_ranks
-from staged_lm import StagedProvider, init_params, reference_loss
+from staged_lm import StagedPrograms, init_params, reference_loss
 from test_runtime_executor import CPU_MODEL, batches
 
 from passes.plan.ir import Strategy
@@ -22,7 +22,7 @@ def _setup(rank, world):
     ctx = DistContext(rank=rank, world_size=world, dist_backend="gloo", device=torch.device("cpu"))
     layout = FixedLayout.from_tensors(init_params(0), rank, world)
     opt = torch.optim.AdamW([layout.shard], lr=1e-2, weight_decay=0.1)
-    return layout, opt, Executor(ctx, Cluster.local(world), layout, opt, StagedProvider())
+    return layout, opt, Executor(ctx, Cluster.local(world), layout, opt)
 
 
 def five_batches():
@@ -38,13 +38,17 @@ def _run(rank, world, ckpt_dir):
     data = five_batches()
     service = PlanService(Planner(CPU_MODEL, world, POOL, fixed=POOL[0]), rank)
     layout, opt, ex = _setup(rank, world)
+    programs = StagedPrograms()
     losses, hidden = [], []
     service.submit([len(s) for s in data[0]])
+    compute_end = None
     for i, batch in enumerate(data):
-        planned = service.take()
+        planned = service.take(compute_end)
         if i + 1 < len(data):
             service.submit([len(s) for s in data[i + 1]])  # planned while this step runs
-        losses.append(ex.run_step(planned.plan, batch).loss)
+        stats = ex.run_step(planned.plan, batch, programs.program(planned.plan, rank))
+        compute_end = stats.compute_window[1]
+        losses.append(stats.loss)
         hidden.append(planned.hidden)
         if i == 1:
             save_checkpoint(ckpt_dir, layout, opt, step=2, data_position=2)
@@ -54,8 +58,9 @@ def _run(rank, world, ckpt_dir):
     layout2, opt2, ex2 = _setup(rank, world)
     meta = load_checkpoint(ckpt_dir, layout2, opt2)
     planner = Planner(CPU_MODEL, world, POOL, fixed=POOL[0])
-    resumed_losses = [ex2.run_step(planner.plan([len(s) for s in batch]), batch).loss
-                      for batch in data[meta["data_position"]:]]
+    plans = [planner.plan([len(s) for s in batch]) for batch in data[meta["data_position"]:]]
+    resumed_losses = [ex2.run_step(plan, batch, programs.program(plan, rank)).loss
+                      for plan, batch in zip(plans, data[meta["data_position"]:])]
     return losses, hidden, resumed_losses, uninterrupted, layout2.full_state_dict(), saved_plan.strategy.describe()
 
 
@@ -79,5 +84,6 @@ def test_overlapped_planning_adamw_and_resume(tmp_path):
             torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=1e-6, atol=1e-7)
     ckpt = tmp_path / "ckpt"
     version = (ckpt / "LATEST").read_text().strip()
-    assert len(results[0][1]) == 5 and (ckpt / version / "meta.json").exists()
+    assert len(results[0][1]) == 5 and not results[0][1][0]  # the first plan: nothing ran while it was planned
+    assert (ckpt / version / "meta.json").exists()
     assert [p.name for p in ckpt.iterdir() if p.is_dir()] == [version]  # no temporary folder left

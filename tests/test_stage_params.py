@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.fixed_layout import FixedLayout, ParamSlice, full_slice
+from passes.graph.tensor_parallel import ParamSlice
+from runtime.fixed_layout import FixedLayout
 from runtime.stage_params import StageParams
 
 SHAPES = {"a": (4, 3), "b": (3, 4), "n": (3,)}
@@ -16,7 +17,7 @@ SHAPES = {"a": (4, 3), "b": (3, 4), "n": (3,)}
 def _slices():
     return {"a": ParamSlice(name="a", full_shape=(4, 3), dim=0, ranges=((2, 4),)),
             "b": ParamSlice(name="b", full_shape=(3, 4), dim=1, ranges=((0, 2),)),
-            "n": full_slice("n", (3,))}
+            "n": ParamSlice(name="n", full_shape=(3,))}
 
 
 def test_parameters_view_the_flat_buffer_in_layout_order():
@@ -60,4 +61,4 @@ def test_bf16_copies_and_errors():
     with pytest.raises(RuntimeError, match="zero_grads"):
         StageParams(layout, _slices(), tp=2).weighted_grads()
     with pytest.raises(KeyError, match="'zzz'"):
-        StageParams(layout, {"zzz": full_slice("zzz", (2,))}, tp=1)
+        StageParams(layout, {"zzz": ParamSlice(name="zzz", full_shape=(2,))}, tp=1)

@@ -14,9 +14,10 @@ from torch import fx, nn
 
 from hcompile.capture import capture
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
+from passes.graph.lowering import LoweringCache
 from passes.graph.pass_runner import PassContext, PassError, propagate_vals, run_passes
 from passes.graph.tensor_parallel import decide_tensor_parallel, shard_tensor_parallel_pass
-from passes.graph.variant import VariantKey, build_variant
+from passes.graph.variant import TokenBuckets
 from passes.plan.ir import ParallelScheme
 
 CASES = {
@@ -34,16 +35,16 @@ def _case(name):
     return model, cfg, ids, targets
 
 
-def _check_rank(rank, world, name, graph_bytes, output_index, vocab_parallel):
+def _check_rank(rank, world, name, graph_bytes, vocab_parallel):
     """One rank: shard the (parent-captured) graph, run it, compare with the unsharded model."""
     model, cfg, ids, targets = _case(name)
     gm = pickle.loads(graph_bytes)
     propagate_vals(gm, [ids])
     ctx = PassContext(scheme=ParallelScheme(tp=world), tp_rank=rank, tp_group=dist.group.WORLD.group_name,
-                      options={"tensor_parallel.vocab_parallel": vocab_parallel})
+                      options={"shard_tensor_parallel_pass.vocab_parallel": vocab_parallel})
     gm, records = run_passes(gm, [shard_tensor_parallel_pass], ctx)
     plan = records[0].info["plan"]
-    logits = gm(ids)[output_index]
+    logits = gm(ids)[0]
     loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
     loss.backward()
     ref_logits = model(ids)
@@ -63,14 +64,14 @@ def _check_rank(rank, world, name, graph_bytes, output_index, vocab_parallel):
     assert (plan.param(embedding).dim == 0) == vocab_parallel == (plan.param(head).dim == 0), plan.describe()
 
 
-def _check_packed_variant(rank, world, graph_bytes, output_index):
+def _check_packed_variant(rank, world, graph_bytes):
     """The whole stack on one rank: tensor parallel + packed attention, compiled as a variant."""
     model, cfg, _, _ = _case("llama")
     gm = pickle.loads(graph_bytes)
     propagate_vals(gm, [torch.zeros(1, 32, dtype=torch.long)])
-    key = VariantKey(scheme=ParallelScheme(tp=world), stage=0, bucket=32)
-    variant = build_variant(gm, key, tp_rank=rank, tp_group=dist.group.WORLD.group_name, output_index=output_index,
-                            vocab_parallel=True, compile_backend="aot_eager")
+    cache = LoweringCache(lambda tokens: gm, TokenBuckets(sizes=(32,)), vocab_parallel=True,
+                          compile_backend="aot_eager")
+    variant = cache.variant(ParallelScheme(tp=world), 0, 32, rank, dist.group.WORLD.group_name)
     lens = [7, 1, 12, 5]
     ids = torch.randint(0, cfg.vocab, (sum(lens),), generator=torch.Generator().manual_seed(5))
     cu = torch.tensor([0, 7, 8, 20, 25], dtype=torch.int32)
@@ -79,20 +80,21 @@ def _check_packed_variant(rank, world, graph_bytes, output_index):
     ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
     F.cross_entropy(ref, ids.roll(-1), reduction="sum").backward()
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
-    for sl, grad in zip(variant.params, variant.grads().values()):
+    for sl in variant.params:
+        grad = variant.graph_module.get_parameter(sl.name).grad
         torch.testing.assert_close(grad, sl.take(model.get_parameter(sl.name).grad), rtol=1e-5, atol=1e-5,
                                    msg=sl.describe())
     assert variant.counter.count == 1
 
 
-def _check_tp_pp_variants(rank, world, graph_bytes, output_index):
+def _check_tp_pp_variants(rank, world, graph_bytes):
     """Scheme (tp=world, pp=2) on one rank: its TP part of both stages, chained, forward and backward."""
     model, cfg, _, _ = _case("llama")
     gm = pickle.loads(graph_bytes)
     propagate_vals(gm, [torch.zeros(1, 32, dtype=torch.long)])
     scheme, group = ParallelScheme(tp=world, pp=2), dist.group.WORLD.group_name
-    stages = [build_variant(gm, VariantKey(scheme=scheme, stage=s, bucket=32), tp_rank=rank, tp_group=group,
-                            output_index=output_index) for s in (0, 1)]
+    cache = LoweringCache(lambda tokens: gm, TokenBuckets(sizes=(32,)))
+    stages = [cache.variant(scheme, s, 32, rank, group) for s in (0, 1)]
     lens = [9, 3, 11]
     ids = torch.randint(0, cfg.vocab, (sum(lens),), generator=torch.Generator().manual_seed(6))
     cu = torch.tensor([0, 9, 12, 23], dtype=torch.int32)
@@ -105,18 +107,19 @@ def _check_tp_pp_variants(rank, world, graph_bytes, output_index):
     F.cross_entropy(ref, ids.roll(-1), reduction="sum").backward()
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
     for stage in stages:
-        for sl, grad in zip(stage.params, stage.grads().values()):
+        for sl in stage.params:
+            grad = stage.graph_module.get_parameter(sl.name).grad
             torch.testing.assert_close(grad, sl.take(model.get_parameter(sl.name).grad), rtol=1e-5, atol=1e-5,
                                        msg=sl.describe())
 
 
 def _tp_worker(rank, world, graphs, packed):
-    for name, (graph_bytes, output_index) in graphs.items():
+    for name, graph_bytes in graphs.items():
         for vocab_parallel in (False, True):
-            _check_rank(rank, world, name, graph_bytes, output_index, vocab_parallel)
-    _check_packed_variant(rank, world, *packed)
+            _check_rank(rank, world, name, graph_bytes, vocab_parallel)
+    _check_packed_variant(rank, world, packed)
     if world == 2:
-        _check_tp_pp_variants(rank, world, *packed)
+        _check_tp_pp_variants(rank, world, packed)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -125,9 +128,9 @@ def test_tensor_parallel_matches_unsharded_on_gloo(world, tmp_path):
     for name in CASES:  # capture once here; every rank rewrites the same captured graph for itself
         model, _, ids, _ = _case(name)
         cap = capture(model, ids)
-        graphs[name] = (pickle.dumps(cap.graph_module), cap.output_index)
+        graphs[name] = pickle.dumps(cap.graph_module)
     cap = capture(_case("llama")[0], torch.zeros(1, 32, dtype=torch.long))
-    packed = (pickle.dumps(cap.graph_module), cap.output_index)
+    packed = pickle.dumps(cap.graph_module)
     run_ranks(world, tmp_path, _tp_worker, graphs, packed, timeout_s=180)
 
 
@@ -195,7 +198,7 @@ def test_vocab_parallel_golden_on_a_hand_built_graph():
     gm = fx.GraphModule(root, g)
     propagate_vals(gm, [torch.zeros(1, 3, dtype=torch.long)])
     ctx = PassContext(scheme=ParallelScheme(tp=2), tp_rank=1, tp_group="g",
-                      options={"tensor_parallel.vocab_parallel": True})
+                      options={"shard_tensor_parallel_pass.vocab_parallel": True})
     result = shard_tensor_parallel_pass(gm, ctx)
     assert result.info["plan"].describe() == "tp=2 rank=1\n  linear: vocab\n  emb[5:10 of dim 0]"
     assert str(result.graph_module.graph).strip().replace("'g'", "g") == VOCAB_GOLDEN

@@ -80,8 +80,8 @@ def test_a_wrong_lowering_is_refused_on_every_rank_before_the_first_step():
 def test_dropout_under_tensor_parallelism_is_refused_by_name():
     """Ranks would drop a replicated activation with different masks: refused under tp > 1, fine under tp1."""
     import hcompile
+    from passes.graph.lowering import decide_lowerings
     from passes.graph.pass_runner import PassError
-    from passes.graph.variant import lower_graph
     from passes.plan.ir import ParallelScheme
 
     transformers = pytest.importorskip("transformers")
@@ -90,6 +90,6 @@ def test_dropout_under_tensor_parallelism_is_refused_by_name():
         attn_pdrop=0.0, attn_implementation="sdpa"))
     captured = hcompile.compile(model).captured(16).graph_module
     assert any("dropout" in str(n.target) for n in captured.graph.nodes)
-    lower_graph(captured, ParallelScheme(tp=1))
+    decide_lowerings(captured, ParallelScheme(tp=1))
     with pytest.raises(PassError, match="applies dropout p=0.1 under tp=2"):
-        lower_graph(captured, ParallelScheme(tp=2), tp_rank=0, tp_group="g")
+        decide_lowerings(captured, ParallelScheme(tp=2), tp_rank=0, tp_group="g")

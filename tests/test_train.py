@@ -42,7 +42,7 @@ def _train(rank, world, name, lr):
     data = batches(cfg.vocab)
     for strategy, batch in zip(STRATEGIES, data):
         stats = trainer.train_step(batch, strategy=strategy)
-        out.append((stats.loss, stats.strategy, stats.recompiles, trainer.full_state_dict()))
+        out.append((stats.loss, stats.strategy, stats.compilations, trainer.full_state_dict()))
     adam = hcompile.compile(make(name)[0]).trainer(loss="causal_lm", optimizer=torch.optim.AdamW,
                             optimizer_kwargs={"lr": 1e-2}, strategies=STRATEGIES, tokens_per_rank=64)
     adam_losses = [adam.train_step(batch, strategy=s).loss for s, batch in zip(STRATEGIES, data)]
@@ -99,14 +99,13 @@ def _auto(rank, world):
     except PlanError as exc:
         rejected = str(exc)
     unchanged = all(torch.equal(before[n], t) for n, t in trainer.full_state_dict().items())
-    stats = []
-    for i in range(3, 23):  # 20 steps, the planner choosing, each planned while the previous one ran
-        stats.append(trainer.train_step(data[i], next_batch=data[i + 1] if i + 1 < 23 else None))
+    stats = []  # 20 steps, the planner choosing, each planned while the previous one ran
+    trainer.fit(data[3:23], on_step=lambda step, s: stats.append(s))
     calibration = None
     if trainer.calibration is not None:  # rank 0 plans with the cost model corrected by the measured steps
         calibration = ({s.describe(): f for s, f in trainer.calibration.factors.items()},
                        trainer._service.planner.cost_model.name)
-    return (adam, rejected, unchanged, [(s.strategy, s.recompiles, s.plan_hidden, s.loss) for s in stats],
+    return (adam, rejected, unchanged, [(s.strategy, s.compilations, s.plan_hidden, s.loss) for s in stats],
             calibration)
 
 

@@ -51,19 +51,19 @@ def test_one_strategy_as_a_string_is_one_strategy():
 
 def test_a_tp_degree_that_does_not_divide_the_heads_is_named():
     import hcompile
+    from hcompile.cost import check_strategies, default_cost_model
     from hcompile.models import Llama, LlamaConfig, init_weights_
-    from hcompile.train import _check_strategies, default_cost_model
 
     graph = hcompile.compile(init_weights_(Llama(LlamaConfig()), seed=0)).captured(64).graph_module
     model = default_cost_model(graph, "llama", 4, 64)
     with pytest.raises(ValueError, match="strategy '1x\\(tp3\\)\\+1x\\(tp1\\)': tp3 does not divide the model's 4 "
                                          "attention heads"):
-        _check_strategies(("2x(tp2)", "1x(tp3)+1x(tp1)"), model, graph, 4)
+        check_strategies(("2x(tp2)", "1x(tp3)+1x(tp1)"), model, graph, 4)
     with pytest.raises(ValueError, match="strategy '1x\\(tp2\\)' covers 2 ranks, the job has 4"):
-        _check_strategies(("1x(tp2)",), model, graph, 4)
+        check_strategies(("1x(tp2)",), model, graph, 4)
     with pytest.raises(ValueError, match="pp4 is more than the model's 2 layers"):
-        _check_strategies(("1x(tp1,pp4)",), model, graph, 4)
-    _check_strategies(("2x(tp2)", "1x(tp2)+2x(tp1)"), model, graph, 4)
+        check_strategies(("1x(tp1,pp4)",), model, graph, 4)
+    check_strategies(("2x(tp2)", "1x(tp2)+2x(tp1)"), model, graph, 4)
 
 
 def _one_rank(rank, world):
@@ -77,9 +77,11 @@ def _one_rank(rank, world):
     ones = [torch.tensor([5]), torch.tensor([7]), torch.tensor([9])]
     good = [torch.arange(20) % 96, torch.arange(9)]
     before = trainer.full_state_dict()
-    skipped = [trainer.train_step(ones), trainer.train_step(good, next_batch=ones)]
+    skipped = [trainer.train_step(ones)]
+    source = iter([good, ones])
+    skipped.append(trainer.train_step(source))  # the good batch, with the 1-token batch held and checked
     after_good = trainer.full_state_dict()
-    skipped.append(trainer.train_step(ones))  # its plan was prefetched: drained, every rank stays in step
+    skipped.append(trainer.train_step(source))  # nothing was planned for it: every rank stays in step
     unchanged = [all(torch.equal(before[n], t) for n, t in after_good.items()) is False,
                  all(torch.equal(after_good[n], t) for n, t in trainer.full_state_dict().items())]
     steps = trainer.optimizer.state_dict()["state"][0]["step"].item()

@@ -22,10 +22,11 @@ def test_zero_recompiles_after_warm_up_over_20_batches_of_varying_lengths():
     model = init_weights_(Llama(LlamaConfig(layers=1)))
     compiled = hcompile.compile(model, buckets=TokenBuckets(sizes=(32, 64)), compile_backend="aot_eager")
     scheme = ParallelScheme()
+    cache = compiled.lowerings()
     for bucket in (32, 64):  # warm-up: one batch per bucket compiles each variant once
         lens, ids, cu = _batch(torch.Generator().manual_seed(bucket), 96)
-        compiled.variant(scheme, 0, bucket)(ids, cu)
-    variants = [compiled.variant(scheme, 0, b) for b in (32, 64)]
+        cache.variant(scheme, 0, bucket)(ids, cu)
+    variants = [cache.variant(scheme, 0, b) for b in (32, 64)]
     assert [v.counter.count for v in variants] == [1, 1]
     gen = torch.Generator().manual_seed(7)
     seen = set()
@@ -33,7 +34,7 @@ def test_zero_recompiles_after_warm_up_over_20_batches_of_varying_lengths():
         lens, ids, cu = _batch(gen, 96, max_seqs=6)
         bucket = compiled.buckets.bucket_for(len(ids))
         seen.add((len(lens), len(ids)))
-        variant = compiled.variant(scheme, 0, bucket)
+        variant = cache.variant(scheme, 0, bucket)
         out = variant.logits(variant(ids, cu), len(ids))
         ref = torch.cat([model(seq[None])[0] for seq in ids.split(lens)])
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
@@ -46,7 +47,8 @@ def test_pipeline_stage_variants_chain_to_the_model_forward_and_backward():
     compiled = hcompile.compile(model, buckets=TokenBuckets(sizes=(32,)))
     scheme = ParallelScheme(pp=2)
     lens, ids, cu = _batch(torch.Generator().manual_seed(1), 96)
-    first, last = compiled.variant(scheme, 0, 32), compiled.variant(scheme, 1, 32)
+    cache = compiled.lowerings()
+    first, last = cache.variant(scheme, 0, 32), cache.variant(scheme, 1, 32)
     assert first.boundary_out == last.boundary_in and first.boundary_in == ()
     names = {sl.name for sl in first.params} | {sl.name for sl in last.params}
     assert names == {n for n, _ in model.named_parameters()}

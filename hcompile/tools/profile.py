@@ -30,8 +30,7 @@ from passes.plan.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_fo
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
 
 __all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
-           "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile",
-           "progress_bar"]
+           "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile"]
 
 CPU_MODELS: dict[str, LlamaConfig] = {
     "llama-tiny": LlamaConfig(layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=4, vocab=256),
@@ -157,7 +156,6 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     computing and communication threads' CPU time, as the executor's busy time; on a GPU CUDA events), and the
     bytes saved for backward at two sizes."""
     from hcompile.api import CompiledModel
-    from hcompile.train import CompiledProvider
     from runtime import distributed as comm
     from runtime.executor import pack_micro_batch
     from runtime.fixed_layout import FixedLayout
@@ -169,10 +167,9 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     net = build_model(model, seed)
     buckets = TokenBuckets(sizes=bucket_sizes)
     compiled = CompiledModel(net, buckets=buckets)
-    provider = CompiledProvider(compiled, buckets, dtype if device.type == "cuda" else None,
-                                device if device.type == "cuda" else None)
+    lowerings = compiled.lowerings(dtype if device.type == "cuda" else None, device if device.type == "cuda" else None)
     scheme = ParallelScheme(tp=world)
-    program = provider.stage(scheme, 0, rank, comm.world_group())
+    program = lowerings.program(scheme, 0, rank, comm.group_name(comm.world_group()))
     full = dict(net.named_parameters())
     params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices, world,
                          dtype, device)

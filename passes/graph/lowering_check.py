@@ -1,7 +1,7 @@
 """The lowering self-check: a rank's lowered program computes what the model computes, or it is refused.
 
 Owns :func:`check_lowering`, :class:`LoweringReport` and :class:`LoweringError`. A lowering (repeat_kv
-folding, tensor parallel, packed attention, pipeline split: ``passes.graph.variant.lower_graph``) is run, on
+folding, tensor parallel, packed attention, pipeline split: ``passes.graph.lowering.lower_graph``) is run, on
 every rank of one tensor-parallel group, on a small random probe: a few whole sequences packed into one token
 bucket (with the padding the runtime adds), every parameter a random value drawn from its name. The same
 sequences go, one at a time and unpacked, through a reference the caller gives (the user's own model, eager).
@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from passes.graph.collectives import all_reduce_tensor
+from passes.graph.lowering import Lowered
 from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import ParamSlice
-from passes.graph.variant import Lowered, retarget_devices
+from passes.graph.variant import retarget_devices
 from passes.plan.ir import ParallelScheme
 
 __all__ = ["LoweringError", "LoweringReport", "check_lowering", "probe_lengths", "probe_values", "neutralise_dropout",
@@ -180,8 +181,8 @@ def _owner(root: nn.Module, name: str) -> nn.Module:
 def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int, tp_group: str | None,
                    lower: Callable[[fx.GraphModule], Lowered], reference: Reference,
                    buffer: Callable[[str, torch.Tensor], torch.Tensor], vocab: int, device: torch.device,
-                   dtype: torch.dtype, output_index: int = 0, seed: int = 0) -> LoweringReport:
-    """Run ``lower`` (a graph -> ``passes.graph.variant.Lowered``) on a copy of ``captured`` (input (1, bucket))
+                   dtype: torch.dtype, seed: int = 0) -> LoweringReport:
+    """Run ``lower`` (a graph -> ``passes.graph.lowering.Lowered``) on a copy of ``captured`` (input (1, bucket))
     holding probe values, on a probe of packed sequences, against ``reference`` on each sequence alone; every
     rank of the TP group calls it together. Raises what building the lowering raises."""
     bucket = int(next(n for n in captured.graph.nodes if n.op == "placeholder").meta["val"].shape[-1])
@@ -197,7 +198,7 @@ def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), *([bucket] if total < bucket else [])],
                       dtype=torch.int32, device=device)
     out = lowered.graph_module(ids[None], cu, bucket)
-    logits = (out[output_index] if isinstance(out, (tuple, list)) else out)[0, :total]
+    logits = (out[0] if isinstance(out, (tuple, list)) else out)[0, :total]
     ref_params = {name: v.clone().requires_grad_(True) for name, v in values.items()}
     ref_logits = reference(ref_params, seqs)
     weights = torch.randn(tuple(ref_logits.shape), generator=g).to(device)

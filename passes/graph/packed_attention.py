@@ -292,7 +292,7 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     with graph.inserting_after(placeholders[-1]):
         cu_seqlens = graph.placeholder("cu_seqlens", type_expr=torch.Tensor)
     for node in sdpa:
-        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("packed_attention.kernel", "auto"))
+        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("rewrite_packed_attention_pass.kernel", "auto"))
     graph.eliminate_dead_code()  # the masks the attention no longer reads
     aranges = [n for n in find_position_aranges(gm, total) if n not in index_aranges]
     for node in aranges:

@@ -105,6 +105,11 @@ def run_passes(
     gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext
 ) -> tuple[fx.GraphModule, tuple[PassRecord, ...]]:
     """Run ``passes`` in order; returns the final module and one record per pass."""
+    names = {_pass_name(p) for p in passes}
+    unknown = sorted(k for k in ctx.options if k.partition(".")[0] not in names)
+    if unknown:
+        raise PassError(f"options {unknown} name no pass of this run ({', '.join(sorted(names))}); keys are "
+                        "'<pass name>.<option>'")
     records: list[PassRecord] = []
     for p in passes:
         name = _pass_name(p)

@@ -22,7 +22,8 @@ from torch import fx, nn
 from passes.graph.analyze import node_flops
 from passes.graph.pass_runner import PassContext, PassError, PassResult
 
-__all__ = ["PipelinePlan", "StageSpec", "decide_pipeline_split", "split_pipeline_pass", "graph_to_networkx"]
+__all__ = ["PipelinePlan", "StageSpec", "decide_pipeline_split", "check_cut_fits", "split_pipeline_pass",
+           "graph_to_networkx"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,12 +231,34 @@ def _compose(gm: fx.GraphModule, plan: PipelinePlan, stages: list[fx.GraphModule
     return fx.GraphModule(root, graph, class_name=f"Pipeline{len(stages)}")
 
 
+def check_cut_fits(plan: PipelinePlan, gm: fx.GraphModule, pp: int) -> None:
+    """A cut decided on another capture of the same model applies to ``gm``: ``pp`` stages that together hold
+    exactly ``gm``'s compute nodes (by name), each reading values that exist; otherwise a PassError."""
+    if len(plan.stages) != pp:
+        raise PassError(f"pipeline split: the cut has {len(plan.stages)} stages, the scheme pp={pp}")
+    names = {n.name for n in gm.graph.nodes}
+    compute = [n.name for n in gm.graph.nodes if n.op.startswith("call_")]
+    cut = [n for s in plan.stages for n in s.nodes]
+    if sorted(compute) != sorted(cut):
+        extra, missing = sorted(set(compute) - set(cut)), sorted(set(cut) - set(compute))
+        raise PassError(f"pipeline split: this capture's nodes differ from the analysed capture's (new {extra[:4]}, "
+                        f"gone {missing[:4]})")
+    for s in plan.stages:
+        unknown = [n for n in (*s.inputs, *s.boundary_in, *s.boundary_out) if n not in names]
+        if unknown:
+            raise PassError(f"pipeline split: stage {s.index} reads or returns {unknown[:4]}, not in this capture")
+
+
 def split_pipeline_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Split ``gm`` into ``ctx.scheme.pp`` stages; the result calls ``stage_0``, ``stage_1``, ... in turn."""
     pp = ctx.scheme.pp
     if pp == 1 or any(n.op == "call_module" and str(n.target).startswith("stage_") for n in gm.graph.nodes):
         return PassResult(graph_module=gm, modified=False)
-    plan = decide_pipeline_split(gm, pp, tolerance=ctx.option("pipeline.tolerance", 0.2),
-                                 seq_len=ctx.option("pipeline.seq_len"))
+    plan = ctx.option("split_pipeline_pass.plan")
+    if plan is None:
+        plan = decide_pipeline_split(gm, pp, tolerance=ctx.option("split_pipeline_pass.tolerance", 0.2),
+                                     seq_len=ctx.option("split_pipeline_pass.seq_len"))
+    else:
+        check_cut_fits(plan, gm, pp)
     stages = [_build_stage(gm, spec) for spec in plan.stages]
     return PassResult(graph_module=_compose(gm, plan, stages), modified=True, info={"plan": plan})

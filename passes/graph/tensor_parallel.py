@@ -35,7 +35,7 @@ from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_G
 from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
 from passes.graph.sharding import Shard, block_index, propagate_node, where
 
-__all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "split_dims",
+__all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "check_plan_fits", "split_dims",
            "shard_tensor_parallel_pass"]
 
 _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -413,13 +413,31 @@ def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_para
                               params=tuple(slices.values()))
 
 
+def check_plan_fits(plan: TensorParallelPlan, gm: fx.GraphModule, tp: int, rank: int) -> None:
+    """A plan decided on another capture of the same model applies to ``gm``: the same degree and rank, the
+    same linears (by node name) and the same parameter shapes; otherwise a PassError saying what differs."""
+    if (plan.tp, plan.rank) != (tp, rank):
+        raise PassError(f"tensor parallel: the plan is for tp={plan.tp} rank={plan.rank}, the pass for tp={tp} "
+                        f"rank={rank}")
+    linears = [n.name for n in gm.graph.nodes if _is_linear(n)]
+    planned = [name for name, _ in plan.roles]
+    if linears != planned:
+        extra, missing = sorted(set(linears) - set(planned)), sorted(set(planned) - set(linears))
+        raise PassError(f"tensor parallel: this capture's linears differ from the analysed capture's (new "
+                        f"{extra[:4]}, gone {missing[:4]}{', or in another order' if not extra + missing else ''})")
+    shapes = {n.target: tuple(n.meta["val"].shape) for n in gm.graph.nodes
+              if n.op == "get_attr" and "val" in n.meta and _is_param(gm, n.target)}
+    for sl in plan.params:
+        if sl.name in shapes and shapes[sl.name] != sl.full_shape:
+            raise PassError(f"tensor parallel: parameter {sl.name!r} has shape {shapes[sl.name]} in this capture, "
+                            f"{sl.full_shape} in the analysed one")
+
+
 def split_dims(gm: fx.GraphModule) -> dict[str, int]:
     """Per parameter that tensor parallelism splits, the dim it splits (the same at every degree): what the
-    fixed layout stores outermost. Empty when the graph has no tensor-parallel form."""
-    try:
-        plan = decide_tensor_parallel(gm, 1, 0)
-    except PassError:
-        return {}
+    fixed layout stores outermost. A graph without a tensor-parallel form raises the PassError that says why
+    (the caller decides whether a job without tensor parallelism goes on)."""
+    plan = decide_tensor_parallel(gm, 1, 0)
     return {sl.name: sl.dim for sl in plan.params if sl.dim is not None}
 
 
@@ -658,7 +676,11 @@ def shard_tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResu
     if "val" not in next(iter(gm.graph.nodes)).meta:
         propagate_vals(gm)
     _refuse_dropout(gm, tp)
-    vocab_parallel = bool(ctx.option("tensor_parallel.vocab_parallel", False))
-    plan = decide_tensor_parallel(gm, tp, ctx.tp_rank, vocab_parallel=vocab_parallel)
+    plan = ctx.option("shard_tensor_parallel_pass.plan")
+    if plan is None:
+        vocab_parallel = bool(ctx.option("shard_tensor_parallel_pass.vocab_parallel", False))
+        plan = decide_tensor_parallel(gm, tp, ctx.tp_rank, vocab_parallel=vocab_parallel)
+    else:
+        check_plan_fits(plan, gm, tp, ctx.tp_rank)
     out = _Rewriter(gm, plan, ctx.tp_group).run()
     return PassResult(graph_module=out, modified=True, info={"plan": plan})

@@ -1,9 +1,9 @@
 """Variants: the compiled callable for one (scheme, pipeline stage, token bucket) and what it expects.
 
 Owns :class:`TokenBuckets` (total tokens are padded up to a bucket so that varying lengths reuse one
-compiled graph), :class:`VariantKey`, :class:`Variant` and :func:`build_variant`, which runs the rewrite
-passes on a graph captured at the bucket's size (tensor parallel, then packed attention, then the pipeline
-split) and compiles the stage once with ``torch.compile`` (static token count, dynamic sequence count).
+compiled graph), :class:`VariantKey`, :class:`Variant` (one lowered stage at one bucket, compiled once with
+``torch.compile``: static token count, dynamic sequence count) and :func:`pad_to_bucket`. Variants are made
+from lowerings by :mod:`passes.graph.lowering`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from passes.graph.normalize import CANONICAL_PASSES
-from passes.graph.packed_attention import rewrite_packed_attention_pass
-from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, run_passes
-from passes.graph.pipeline_split import split_pipeline_pass
-from passes.graph.tensor_parallel import ParamSlice, shard_tensor_parallel_pass
+from passes.graph.pass_runner import PassRecord
+from passes.graph.tensor_parallel import ParamSlice
 from passes.plan.ir import ParallelScheme
 
-__all__ = ["TokenBuckets", "VariantKey", "Variant", "Lowered", "lower_graph", "build_variant", "CompileCounter",
-           "pad_to_bucket", "retarget_devices", "LOWERING_PASSES"]
+__all__ = ["TokenBuckets", "VariantKey", "Variant", "CompileCounter", "pad_to_bucket", "retarget_devices"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,8 +108,6 @@ class Variant:
     """Activations received from the previous stage, in argument order after the inputs."""
     boundary_out: tuple[str, ...]
     """What the stage returns (the last stage: the model's outputs)."""
-    output_index: int
-    """Index of the logits among the last stage's outputs."""
     records: tuple[PassRecord, ...]
     """What each pass did while building it."""
     counter: CompileCounter = field(default_factory=CompileCounter)
@@ -145,8 +139,9 @@ class Variant:
         return [spec(v) for v in vals]
 
     def logits(self, outputs: tuple, total: int) -> torch.Tensor:
-        """The (total, vocab) logits of the real tokens, from the last stage's outputs."""
-        return outputs[self.output_index][0, :total]
+        """The (total, vocab) logits of the real tokens, from the last stage's outputs (the capture keeps the
+        logits as the graph's one output)."""
+        return outputs[0][0, :total]
 
     def bind_(self, params: Mapping[str, nn.Parameter],
               buffer: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -168,13 +163,6 @@ class Variant:
         if device is not None and device.type != "meta":
             retarget_devices(self.graph_module, torch.device("meta"), device)
 
-    def grads(self) -> dict[str, torch.Tensor | None]:
-        """The gradients of this rank's slices, by parameter name."""
-        return {sl.name: self.graph_module.get_parameter(sl.name).grad for sl in self.params}
-
-
-PIPELINE_COST_SEQ_LEN = 2048
-"""The sequence length the pipeline split costs attention at, whatever the bucket."""
 
 
 def retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
@@ -214,79 +202,3 @@ def pad_to_bucket(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bucket: int
         raise ValueError(f"cu_seqlens must be 1-D int32, got {tuple(cu_seqlens.shape)} ({cu_seqlens.dtype})")
     ids = input_ids if total == bucket else torch.cat([input_ids, input_ids.new_zeros(bucket - total)])
     return ids, torch.cat([cu_seqlens, cu_seqlens.new_tensor([bucket])])
-
-
-def _stage_of(gm: fx.GraphModule, records: tuple[PassRecord, ...], stage: int) -> tuple:
-    split = next((r for r in records if r.name == "split_pipeline_pass" and r.modified), None)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    rename = {names[0]: "input_ids"}
-    if split is None:
-        return gm, tuple(rename.get(n, n) for n in names), (), None
-    spec = split.info["plan"].stages[stage]
-    return (getattr(gm, f"stage_{stage}"), tuple(rename.get(n, n) for n in spec.inputs), spec.boundary_in,
-            spec.boundary_out)
-
-
-LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass)
-"""What turns a captured forward into one rank's replica program, in order."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Lowered:
-    """A captured forward rewritten for one rank of a scheme: every stage (composed when pp > 1)."""
-
-    graph_module: fx.GraphModule
-    """The rank's program over all stages: ``stage_0 -> stage_1 -> ...`` when pp > 1; inputs (input_ids (1, T),
-    cu_seqlens, max_seqlen)."""
-    params: tuple[ParamSlice, ...]
-    """Every parameter the program reads, with this rank's slice."""
-    records: tuple[PassRecord, ...]
-    """What each pass did."""
-
-
-def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0, tp_group: str | None = None,
-                attention_kernel: str = "auto", vocab_parallel: bool = False) -> Lowered:
-    """Run the lowering passes (canonical linears, fused projections and grouped-query attention; tensor parallel,
-    packed attention, pipeline split) on a copy of
-    ``captured`` for TP rank ``tp_rank`` of ``scheme``."""
-    # The pipeline cut is costed at one sequence length for every bucket: every node's cost then scales with
-    # the bucket alike, so all buckets of a stage cut at the same place and read the same parameters.
-    ctx = PassContext(scheme=scheme, tp_rank=tp_rank, tp_group=tp_group,
-                      options={"packed_attention.kernel": attention_kernel,
-                               "tensor_parallel.vocab_parallel": vocab_parallel,
-                               "pipeline.seq_len": PIPELINE_COST_SEQ_LEN})
-    gm, records = run_passes(copy_graph_module(captured), LOWERING_PASSES, ctx)
-    tp = next((r.info["plan"] for r in records if r.name == "shard_tensor_parallel_pass" and r.modified), None)
-    return Lowered(graph_module=gm, params=tp.params if tp else _replicated(captured), records=records)
-
-
-def build_variant(captured: fx.GraphModule, key: VariantKey, *, tp_rank: int = 0, tp_group: str | None = None,
-                  output_index: int = 0, compile_backend: str = "eager", attention_kernel: str = "auto",
-                  vocab_parallel: bool = False) -> Variant:
-    """Lower a graph captured at ``key.bucket`` tokens (input (1, bucket)) for ``key.scheme``
-    (:func:`lower_graph`), keep stage ``key.stage`` and compile it once. ``vocab_parallel``: split the token
-    embedding and LM head by vocabulary rows when tp > 1."""
-    ids_val = next(n for n in captured.graph.nodes if n.op == "placeholder").meta.get("val")
-    if ids_val is None or tuple(ids_val.shape) != (1, key.bucket):
-        raise ValueError(f"variant {key.describe()} needs a graph captured on input (1, {key.bucket}), got "
-                         f"{None if ids_val is None else tuple(ids_val.shape)}")
-    lowered = lower_graph(captured, key.scheme, tp_rank=tp_rank, tp_group=tp_group,
-                          attention_kernel=attention_kernel, vocab_parallel=vocab_parallel)
-    records = lowered.records
-    stage_gm, inputs, boundary_in, boundary_out = _stage_of(lowered.graph_module, records, key.stage)
-    read = {n.target for n in stage_gm.graph.nodes if n.op == "get_attr"}
-    params = tuple(sl for sl in lowered.params if sl.name in read)
-    if boundary_out is None:
-        boundary_out = tuple(a.name for a in next(n for n in stage_gm.graph.nodes if n.op == "output").all_input_nodes)
-    counter = CompileCounter(compile_backend)
-    # "eager" compiles nothing: the rewritten graph runs as it is (dynamo would only trace it); any other backend
-    # compiles the stage once per bucket, its sequence count dynamic
-    compiled = stage_gm if compile_backend == "eager" else torch.compile(stage_gm, backend=counter, dynamic=False,
-                                                                          fullgraph=True)
-    return Variant(key=key, tp_rank=tp_rank, graph_module=stage_gm, params=params, inputs=inputs,
-                   boundary_in=tuple(boundary_in), boundary_out=tuple(boundary_out), output_index=output_index,
-                   records=records, counter=counter, compiled=compiled)
-
-
-def _replicated(gm: fx.GraphModule) -> tuple[ParamSlice, ...]:
-    return tuple(ParamSlice(name=name, full_shape=tuple(p.shape)) for name, p in gm.named_parameters())

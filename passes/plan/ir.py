@@ -292,6 +292,12 @@ class ReplicaPlan:
         if len(self.ranks) != self.scheme.gpus:
             raise PlanError(f"replica {self.scheme.describe()} needs {self.scheme.gpus} ranks, got {len(self.ranks)}")
 
+    @property
+    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """One tensor-parallel group (global ranks) per pipeline stage."""
+        width = self.scheme.tp * self.scheme.cp
+        return tuple(self.ranks[s * width:(s + 1) * width] for s in range(self.scheme.pp))
+
     def to_dict(self) -> dict:
         """The JSON form used by ``--plans-out``."""
         return {
@@ -328,6 +334,15 @@ class StepPlan:
     def num_gpus(self) -> int:
         """GPUs the plan uses."""
         return self.strategy.gpus
+
+    def position_of(self, rank: int) -> tuple[int, int, int]:
+        """(replica index, pipeline stage, rank within the stage's TP group) of global ``rank``: the placement
+        the planner made (``ReplicaPlan.ranks``), which every layer reads."""
+        for index, replica in enumerate(self.replicas):
+            for stage, group in enumerate(replica.tp_groups):
+                if rank in group:
+                    return index, stage, group.index(rank)
+        raise PlanError(f"rank {rank} is in no replica of {self.strategy.describe()}")
 
     def to_dict(self, step: int | None = None) -> dict:
         """The JSON form of one ``--plans-out`` line."""

@@ -4,9 +4,10 @@ planner needs only a valid, deterministic assignment."""
 
 from __future__ import annotations
 
-from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, Strategy
 
-__all__ = ["assign_ranks", "group_aligns", "placeable", "too_long_error", "tp_group_fits", "usable_schemes"]
+__all__ = ["assign_ranks", "placed_replicas", "group_aligns", "placeable", "too_long_error", "tp_group_fits",
+           "usable_schemes"]
 
 
 def tp_group_fits(first_rank: int, group_size: int, gpus_per_node: int) -> bool:
@@ -25,6 +26,18 @@ def assign_ranks(strategy: Strategy, gpus_per_node: int) -> tuple[tuple[int, ...
         placed.append(tuple(range(start, start + scheme.gpus)))
         start += scheme.gpus
     return tuple(placed)
+
+
+def placed_replicas(strategy: Strategy, gpus_per_node: int,
+                    micro_batches: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+                    max_tokens: tuple[int, ...] | None = None) -> tuple[ReplicaPlan, ...]:
+    """The replicas of ``strategy`` where :func:`assign_ranks` puts them, with the given micro-batches and caps
+    (none and 1 token by default): the placement of a plan, before (or without) its data."""
+    n = len(strategy.replicas())
+    micro_batches = micro_batches or ((),) * n
+    max_tokens = max_tokens or (1,) * n
+    return tuple(ReplicaPlan(scheme=s, ranks=r, micro_batches=mb, max_tokens=m, est_ms=0.0) for s, r, mb, m in
+                 zip(strategy.replicas(), assign_ranks(strategy, gpus_per_node), micro_batches, max_tokens))
 
 
 def _check_replica(scheme: ParallelScheme, start: int, gpus_per_node: int, strategy: Strategy) -> None:

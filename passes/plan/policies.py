@@ -29,7 +29,7 @@ from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
 
-__all__ = ["POLICIES", "Planner", "lower_bound_ms", "homogeneous_strategies", "sized_homogeneous"]
+__all__ = ["POLICIES", "Planner", "homogeneous_strategies", "sized_homogeneous"]
 
 POLICIES = ("padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step", "hydraulis")
 

@@ -1,0 +1,84 @@
+"""The trainer's default cost model: the captured graph analysed, on this device's hardware, capped per rank.
+
+Owns :data:`CPU` (the 0.2 TFLOP model CPU ranks plan with), :data:`ANALYSIS_TOKENS` (the capture that graph
+analysis reads), :func:`default_cost_model`, :func:`cap_tokens` and :func:`check_strategies` (listed
+strategies this job can run, or a ValueError saying why not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+from torch import fx
+
+from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph
+from passes.graph.hardware import hardware_for_device
+from passes.graph.normalize import canonical_graph
+from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
+from passes.plan.ir import CostModel, ParallelScheme, Strategy
+
+__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies"]
+
+ANALYSIS_TOKENS = 64
+"""Tokens of the capture that graph analysis (cost model, tensor-parallel split dims, vocabulary) reads."""
+
+CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0, link_gbps=5.0,
+               fixed_ms_per_layer=0.2, gpus_per_node=1024)
+"""What CPU ranks plan with before calibration corrects it (one node; memory bounded by ``hcompile.memory``)."""
+
+
+def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
+                       runtime: RuntimeMemory = HCOMPILE_RUNTIME,
+                       device: torch.device | str = "cpu") -> CostModel:
+    """Analytic cost model of a captured graph on ``device``'s hardware: the CPU (a 0.2 TFLOP model), or on a GPU
+    its preset (``passes.graph.hardware.hardware_for_device``: A100, A800, H100, H200; another GPU is refused,
+    never planned as a CPU). Schemes (tp, pp) with tp dividing the head count (and within a node), pp at most
+    the layer count and tp*pp dividing the world size, each capped by the memory ``runtime`` leaves and at
+    ``tokens_per_rank * tp`` tokens per micro-batch (on the CPU 1024 per rank when None)."""
+    analysis = analyze_graph(canonical_graph(captured))
+    if not analysis.attention:
+        raise ValueError(f"{name} has no attention (no scaled_dot_product_attention call, nor a softmax(q @ k^T) @ v "
+                         "written out): hcompile trains Transformer decoders, and plans by their attention")
+    device = torch.device(device)
+    hardware = hardware_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else CPU
+    heads = min((site.heads for site in analysis.attention), default=1)
+    schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
+               if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)
+               and tp <= hardware.gpus_per_node]
+    model = analytic_cost_model(analysis, hardware, schemes, name=f"{name}@{hardware.name}", world_size=world_size,
+                                runtime=runtime)
+    per_rank = (1024 if hardware is CPU else None) if tokens_per_rank is None else tokens_per_rank
+    return model if per_rank is None else cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
+
+
+def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:
+    """``model`` with each scheme's ``max_tokens`` lowered to ``caps[scheme]``."""
+    entries = tuple(dataclasses.replace(e, max_tokens=min(e.max_tokens, caps.get(e.scheme, e.max_tokens)))
+                    for e in model.entries)
+    return dataclasses.replace(model, entries=entries)
+
+
+def check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph: fx.GraphModule, world: int) -> None:
+    """Listed strategies that this job can run: every one covering the job's ranks with schemes of the cost
+    model; otherwise a ValueError saying why (the head count a TP degree does not divide, ...)."""
+    if strategies == "auto":
+        return
+    known = {e.scheme for e in model.entries}
+    analysis = analyze_graph(canonical_graph(graph))
+    heads = min((site.heads for site in analysis.attention), default=1)
+    for text in strategies:
+        strategy = Strategy.parse(text)
+        if strategy.gpus != world:
+            raise ValueError(f"strategy {text!r} covers {strategy.gpus} ranks, the job has {world}")
+        for scheme in strategy.schemes:
+            if heads % scheme.tp:
+                raise ValueError(f"strategy {text!r}: tp{scheme.tp} does not divide the model's {heads} attention "
+                                 "heads")
+            if scheme.pp > max(1, analysis.layers):
+                raise ValueError(f"strategy {text!r}: pp{scheme.pp} is more than the model's {analysis.layers} "
+                                 "layers")
+            if scheme not in known:
+                raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
+                                 f"({', '.join(s.describe() for s in sorted(known, key=str))})")

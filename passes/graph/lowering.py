@@ -1,0 +1,299 @@
+"""Lowerings: what one rank runs for one stage of a scheme, decided once and applied to every token bucket.
+
+Owns :class:`Lowering` (the tensor-parallel plan, the pipeline cut and the parameter slices of one (scheme,
+stage, TP rank), typed), :func:`decide_lowerings` (the decisions, made once on the analysed capture), the
+lowering passes and :func:`lower_graph` (which applies decided plans to any capture of the model: a capture
+whose nodes differ from the analysed one is a ``PassError``, never another layout), and
+:class:`LoweringCache`, the one cache of lowerings, variants and stage programs. A stage program
+(:class:`StageVariants`) is what the runtime's executor runs: one variant per token bucket, all computing with
+the Parameters the runtime binds once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import fx, nn
+
+from passes.graph.normalize import CANONICAL_PASSES
+from passes.graph.packed_attention import rewrite_packed_attention_pass
+from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, propagate_vals, run_passes
+from passes.graph.pipeline_split import PipelinePlan, decide_pipeline_split, split_pipeline_pass
+from passes.graph.tensor_parallel import (
+    ParamSlice,
+    TensorParallelPlan,
+    decide_tensor_parallel,
+    shard_tensor_parallel_pass,
+)
+from passes.graph.variant import CompileCounter, TokenBuckets, Variant, VariantKey
+from passes.plan.ir import ParallelScheme
+
+__all__ = ["LOWERING_PASSES", "Lowering", "Lowered", "decide_lowerings", "lower_graph", "LoweringCache",
+           "StageVariants", "PIPELINE_TOLERANCE"]
+
+LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass)
+"""What turns a captured forward into one rank's replica program, in order."""
+
+PIPELINE_TOLERANCE = 0.2
+"""How far (relative) a pipeline stage's cost may exceed the mean when the cut looks for fewer crossing bytes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lowering:
+    """What one TP rank runs for one pipeline stage of a scheme, the same for every token bucket."""
+
+    scheme: ParallelScheme
+    """The replica's layout."""
+    stage: int
+    """The pipeline stage, 0 <= stage < scheme.pp."""
+    tp_rank: int
+    """This rank's index in the stage's tensor-parallel group."""
+    tensor_parallel: TensorParallelPlan | None
+    """Roles of the linears and this rank's slices (None when tp == 1)."""
+    pipeline: PipelinePlan | None
+    """The cut of the whole replica into stages (None when pp == 1)."""
+    params: tuple[ParamSlice, ...]
+    """The parameters the stage reads, each with this rank's slice."""
+    inputs: tuple[str, ...]
+    """User inputs the stage takes, from ``("input_ids", "cu_seqlens", "max_seqlen")``."""
+    boundary_in: tuple[str, ...]
+    """Values received from the previous stage."""
+    boundary_out: tuple[str, ...]
+    """Values the stage returns (the last stage: the model's outputs, the logits first)."""
+
+    def describe(self) -> str:
+        """E.g. ``(tp2,pp2)/stage1/tp-rank0: 14 parameters, in [...], out [...]``."""
+        return (f"{self.scheme.describe()}/stage{self.stage}/tp-rank{self.tp_rank}: {len(self.params)} parameters, "
+                f"in {list(self.boundary_in)}, out {list(self.boundary_out)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lowered:
+    """A captured forward rewritten for one rank of a scheme: every stage (composed when pp > 1)."""
+
+    graph_module: fx.GraphModule
+    """The rank's program over all stages: ``stage_0 -> stage_1 -> ...`` when pp > 1; inputs (input_ids (1, T),
+    cu_seqlens, max_seqlen)."""
+    params: tuple[ParamSlice, ...]
+    """Every parameter the program reads, with this rank's slice."""
+    records: tuple[PassRecord, ...]
+    """What each pass did."""
+
+
+def _context(scheme: ParallelScheme, tp_rank: int, tp_group: str | None, kernel: str,
+             tensor_parallel: TensorParallelPlan | None, pipeline: PipelinePlan | None) -> PassContext:
+    options: dict = {"rewrite_packed_attention_pass.kernel": kernel}
+    if tensor_parallel is not None:
+        options["shard_tensor_parallel_pass.plan"] = tensor_parallel
+    if pipeline is not None:
+        options["split_pipeline_pass.plan"] = pipeline
+    return PassContext(scheme=scheme, tp_rank=tp_rank, tp_group=tp_group, options=options)
+
+
+def _replicated(gm: fx.GraphModule) -> tuple[ParamSlice, ...]:
+    return tuple(ParamSlice(name=name, full_shape=tuple(p.shape)) for name, p in gm.named_parameters())
+
+
+def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0, tp_group: str | None = None,
+                attention_kernel: str = "auto", tensor_parallel: TensorParallelPlan | None = None,
+                pipeline: PipelinePlan | None = None) -> Lowered:
+    """Apply the lowering passes to a copy of ``captured`` with decided plans (:func:`decide_lowerings`):
+    canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention, the
+    pipeline cut (``pipeline``, required when pp > 1). Nothing is decided here."""
+    if (scheme.tp > 1) != (tensor_parallel is not None) or (scheme.pp > 1) != (pipeline is not None):
+        raise ValueError(f"lowering {scheme.describe()} needs a tensor-parallel plan exactly when tp > 1 and a "
+                         f"pipeline cut exactly when pp > 1; got {type(tensor_parallel).__name__}, "
+                         f"{type(pipeline).__name__}")
+    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, pipeline)
+    gm, records = run_passes(copy_graph_module(captured), LOWERING_PASSES, ctx)
+    params = tensor_parallel.params if tensor_parallel is not None else _replicated(captured)
+    return Lowered(graph_module=gm, params=params, records=records)
+
+
+def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0,
+                     tp_group: str | None = None, attention_kernel: str = "auto", vocab_parallel: bool = False,
+                     cost_tokens: int | None = None) -> tuple[Lowering, ...]:
+    """One :class:`Lowering` per pipeline stage of ``scheme`` for TP rank ``tp_rank``, decided on ``analysed``
+    (any capture of the model): the tensor-parallel plan on its canonical form, the pipeline cut on its
+    tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
+    micro-batch the scheme runs; None: the capture's own tokens). ``vocab_parallel``: split the token
+    embedding and LM head by vocabulary rows when tp > 1."""
+    gm, _ = run_passes(copy_graph_module(analysed), CANONICAL_PASSES, PassContext())
+    tensor_parallel = None
+    if scheme.tp > 1:
+        if "val" not in next(iter(gm.graph.nodes)).meta:
+            propagate_vals(gm)
+        tensor_parallel = decide_tensor_parallel(gm, scheme.tp, tp_rank, vocab_parallel=vocab_parallel)
+    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None)
+    gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass], ctx)
+    pipeline = None
+    if scheme.pp > 1:
+        pipeline = decide_pipeline_split(gm, scheme.pp, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
+    lowered = lower_graph(analysed, scheme, tp_rank=tp_rank, tp_group=tp_group, attention_kernel=attention_kernel,
+                          tensor_parallel=tensor_parallel, pipeline=pipeline)
+    return tuple(_stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline) for s in range(scheme.pp))
+
+
+def _stage_lowering(lowered: Lowered, scheme: ParallelScheme, stage: int, tp_rank: int,
+                    tensor_parallel: TensorParallelPlan | None, pipeline: PipelinePlan | None) -> Lowering:
+    stage_gm = _stage_module(lowered.graph_module, pipeline, stage)
+    read = {n.target for n in stage_gm.graph.nodes if n.op == "get_attr"}
+    placeholders = [n.name for n in stage_gm.graph.nodes if n.op == "placeholder"]
+    if pipeline is None:
+        inputs, boundary_in = placeholders, ()
+        boundary_out = tuple(a.name for a in next(n for n in stage_gm.graph.nodes if n.op == "output").all_input_nodes)
+    else:
+        spec = pipeline.stages[stage]
+        inputs, boundary_in, boundary_out = list(spec.inputs), spec.boundary_in, spec.boundary_out
+    first = next(n.name for n in lowered.graph_module.graph.nodes if n.op == "placeholder")
+    return Lowering(scheme=scheme, stage=stage, tp_rank=tp_rank, tensor_parallel=tensor_parallel, pipeline=pipeline,
+                    params=tuple(sl for sl in lowered.params if sl.name in read),
+                    inputs=tuple("input_ids" if n == first else n for n in inputs), boundary_in=tuple(boundary_in),
+                    boundary_out=tuple(boundary_out))
+
+
+def _stage_module(gm: fx.GraphModule, pipeline: PipelinePlan | None, stage: int) -> fx.GraphModule:
+    return gm if pipeline is None else getattr(gm, f"stage_{stage}")
+
+
+def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *, tp_group: str | None = None,
+                   attention_kernel: str = "auto", compile_backend: str = "eager") -> Variant:
+    """The variant of ``lowering`` for a graph captured on input (1, ``bucket``): the decided plans applied to
+    it, its stage kept and compiled once (``eager``: not compiled, the rewritten graph runs as it is)."""
+    key = VariantKey(scheme=lowering.scheme, stage=lowering.stage, bucket=bucket)
+    ids_val = next(n for n in captured.graph.nodes if n.op == "placeholder").meta.get("val")
+    if ids_val is None or tuple(ids_val.shape) != (1, bucket):
+        raise ValueError(f"variant {key.describe()} needs a graph captured on input (1, {bucket}), got "
+                         f"{None if ids_val is None else tuple(ids_val.shape)}")
+    lowered = lower_graph(captured, lowering.scheme, tp_rank=lowering.tp_rank, tp_group=tp_group,
+                          attention_kernel=attention_kernel, tensor_parallel=lowering.tensor_parallel,
+                          pipeline=lowering.pipeline)
+    stage_gm = _stage_module(lowered.graph_module, lowering.pipeline, lowering.stage)
+    counter = CompileCounter(compile_backend)
+    # "eager" compiles nothing: the rewritten graph runs as it is (dynamo would only trace it); any other backend
+    # compiles the stage once per bucket, its sequence count dynamic
+    compiled = stage_gm if compile_backend == "eager" else torch.compile(stage_gm, backend=counter, dynamic=False,
+                                                                          fullgraph=True)
+    return Variant(key=key, tp_rank=lowering.tp_rank, graph_module=stage_gm, params=lowering.params,
+                   inputs=lowering.inputs, boundary_in=lowering.boundary_in, boundary_out=lowering.boundary_out,
+                   records=lowered.records, counter=counter, compiled=compiled)
+
+
+class LoweringCache:
+    """The one cache of lowerings and variants for one model captured for one kind of compute copy.
+
+    ``capture(tokens)`` gives the model's forward captured on input (1, tokens); the lowerings are decided on
+    the capture at the smallest bucket (the analysed capture), each bucket's variant applies them to that
+    bucket's capture. ``buffers``: the model's own buffers, for those a capture on meta stand-ins read.
+    ``cost_tokens(scheme)``: the longest micro-batch a scheme runs, which the pipeline cut costs attention
+    at (None: the analysed capture's tokens)."""
+
+    def __init__(self, capture: Callable[[int], fx.GraphModule], buckets: TokenBuckets, *, kernel: str = "auto",
+                 compile_backend: str = "eager", buffers: Mapping[str, torch.Tensor] | None = None,
+                 cost_tokens: Callable[[ParallelScheme], int] | None = None, vocab_parallel: bool = False,
+                 model_name: str = "the model"):
+        self.capture, self.buckets, self.kernel, self.compile_backend = capture, buckets, kernel, compile_backend
+        self.buffers = dict(buffers or {})
+        self.cost_tokens, self.vocab_parallel, self.model_name = cost_tokens, vocab_parallel, model_name
+        self._lowerings: dict[tuple, tuple[Lowering, ...]] = {}
+        self._variants: dict[tuple, Variant] = {}
+        self._programs: dict[tuple, StageVariants] = {}
+
+    def lowering(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0, tp_group: str | None = None) -> Lowering:
+        """The lowering of (scheme, stage, TP rank), decided once (for every stage of the scheme at once)."""
+        key = (scheme, tp_rank, tp_group)
+        if key not in self._lowerings:
+            self._lowerings[key] = decide_lowerings(
+                self.capture(self.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=tp_group,
+                attention_kernel=self.kernel, vocab_parallel=self.vocab_parallel,
+                cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None)
+        return self._lowerings[key][stage]
+
+    def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int = 0,
+                tp_group: str | None = None) -> Variant:
+        """The variant of (scheme, stage, TP rank) for ``bucket``, built once (it computes with the Parameters
+        the lowering left in it until a stage program binds its own)."""
+        key = (scheme, stage, bucket, tp_rank, tp_group)
+        if key not in self._variants:
+            self._variants[key] = apply_lowering(
+                self.lowering(scheme, stage, tp_rank, tp_group), self.capture(bucket), bucket, tp_group=tp_group,
+                attention_kernel=self.kernel, compile_backend=self.compile_backend)
+        return self._variants[key]
+
+    def program(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0,
+                tp_group: str | None = None) -> "StageVariants":
+        """The stage program of (scheme, stage, TP rank): what the executor runs, over every bucket."""
+        key = (scheme, stage, tp_rank, tp_group)
+        if key not in self._programs:
+            self._programs[key] = StageVariants(self, self.lowering(scheme, stage, tp_rank, tp_group), tp_group)
+        return self._programs[key]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The model's own buffer ``name`` (what a captured buffer or constant stands for)."""
+        if name not in self.buffers:
+            raise KeyError(f"the graph reads {name!r}, which is not a buffer of {self.model_name} (a tensor "
+                           "attribute captured as a constant cannot be given a dtype or device)")
+        return self.buffers[name]
+
+    def compilations(self) -> int:
+        """torch.compile compilations of every variant built so far (0 with the ``eager`` backend)."""
+        return sum(v.counter.count for v in self._variants.values())
+
+
+class StageVariants:
+    """The stage program of one lowering: a micro-batch runs the variant of its token bucket. Every bucket's
+    variant computes with the same Parameters (the runtime's compute copy, bound once), so the gradients of all
+    micro-batches of a step accumulate in one place."""
+
+    def __init__(self, cache: LoweringCache, lowering: Lowering, tp_group: str | None):
+        self.cache, self.lowering, self.tp_group = cache, lowering, tp_group
+        self.param_slices: dict[str, ParamSlice] = {sl.name: sl for sl in lowering.params}
+        self._params: dict[str, nn.Parameter] | None = None
+        self._bound: set[int] = set()
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def bind(self, params: Mapping[str, nn.Parameter]) -> None:
+        """Compute with ``params`` (by name, shaped as the slices) from now on, in every token bucket."""
+        missing = sorted(set(self.param_slices) - set(params))
+        if missing:
+            raise KeyError(f"{self.lowering.describe()} needs parameters {missing[:5]}")
+        self._params = dict(params)
+        for bucket in sorted(self._bound):
+            self._variant(bucket, rebind=True)
+
+    def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """One copy per stage of each buffer: the model's own (a stand-in when captured for another dtype or
+        device), on the parameters' device, in its own dtype (the capture traced it in that dtype)."""
+        if name not in self._buffers:
+            if value.device.type == "meta":
+                value = self.cache.buffer(name)
+            like = next(iter(self._params.values()), None)
+            self._buffers[name] = value.to(device=like.device if like is not None else value.device)
+        return self._buffers[name]
+
+    def _variant(self, bucket: int, rebind: bool = False) -> Variant:
+        lowering = self.lowering
+        variant = self.cache.variant(lowering.scheme, lowering.stage, bucket, lowering.tp_rank, self.tp_group)
+        if bucket not in self._bound or rebind:
+            if self._params is None:
+                raise RuntimeError(f"{lowering.describe()} runs before bind()")
+            variant.bind_(self._params, self._buffer)
+            self._bound.add(bucket)
+        return variant
+
+    def boundary_in(self, tokens: int) -> list:
+        """What this stage receives for a micro-batch of ``tokens`` tokens (its bucket's variant's inputs)."""
+        return self._variant(self.cache.buckets.bucket_for(tokens)).boundary_in_specs()
+
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                 boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs for one packed micro-batch: the boundary the next stage takes, or ``(logits,)``
+        (T, vocab) of the real tokens on the last stage."""
+        total = int(input_ids.shape[0])
+        variant = self._variant(self.cache.buckets.bucket_for(total))
+        outs = variant(input_ids, cu_seqlens, *boundary)
+        if self.lowering.stage == self.lowering.scheme.pp - 1:
+            return (variant.logits(outs, total),)
+        return tuple(outs)

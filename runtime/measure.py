@@ -1,0 +1,181 @@
+"""Measurement of a step, as hooks on the executor's phases: what a step did, read once per step.
+
+Owns :class:`StepStats`, :class:`StepState` (one step on this rank as the hooks see it), the hook protocol and
+the two hooks the runtime has: :class:`StepMeter` (busy time of the compute phase: CUDA events on a GPU, the
+rank's CPU time on the CPU; at the end of the step one all-gather of the loss, busy times and token counts,
+the step's one read of device values) and :class:`TakeTurns` (replicas compute one after the other, for
+measuring per-rank busy times on a host with fewer cores than ranks). The executor runs the step and calls
+the hooks; it measures nothing itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from passes.plan.ir import StepPlan
+from runtime import distributed as comm
+from runtime.cpu_clock import RankCpuClock
+from runtime.loss import global_pair_count
+from runtime.redistribute import Traffic
+
+__all__ = ["PHASES", "PhaseHook", "StepState", "StepStats", "StepMeter", "TakeTurns"]
+
+PHASES = ("pull", "compute", "computed", "push", "optimizer", "end")
+"""A step's phases in order (a dry run has no ``push`` nor ``optimizer``). Hooks entering a phase run in the
+order they were added; at ``computed``, which closes the compute window, in the reverse order, so that a
+hook opened first is closed last."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStats:
+    """What one training step did."""
+
+    loss: float
+    """Mean next-token loss over the global batch."""
+    tokens: int
+    """Tokens in the global batch."""
+    strategy: str
+    """The step's strategy, ``1x(tp2,pp1)+2x(tp1,pp1)`` form."""
+    busy_ms: tuple[float, ...]
+    """Per rank: busy time of its compute phase (forward, backward and their communication): CUDA events on a
+    GPU; on the CPU the process's CPU time with its communication threads, background planning left out
+    (``runtime.cpu_clock``), ms."""
+    wall_ms: float
+    """Wall-clock time of the step on this rank, ms."""
+    compilations: int
+    """torch.compile compilations of every variant so far (constant once the variants are warm)."""
+    traffic: Traffic
+    """Bytes this rank moved this step: parameter slices in, its shard's parts out, gradients both ways."""
+    tokens_computed: tuple[int, ...]
+    """Per rank: the tokens it computed this step (a TP group's ranks each count their replica's tokens)."""
+    plan_ms: float = 0.0
+    """Planning wall time of this step on rank 0, ms (0 when the plan was given)."""
+    plan_hidden: bool = False
+    """Whether this step's plan was computed while the previous step ran: planning started before the previous
+    step's compute phase ended and finished before this step needed the plan (``Trainer.fit``)."""
+    compute_thread_ms: tuple[float, ...] = ()
+    """Per rank: CPU time of the computing thread alone over the compute phase (communication threads left
+    out), ms."""
+    compute_window: tuple[float, float] = (0.0, 0.0)
+    """This rank's compute phase, (start, end) in ``time.perf_counter`` seconds."""
+    plan_window: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """This step's planning on rank 0: (started, finished, needed by the step), ``time.perf_counter`` seconds
+    on rank 0 (zeros when nothing was planned)."""
+    skipped: bool = False
+    """The global batch had no next-token pair (only 1-token sequences): nothing ran, nothing changed (no
+    optimiser step), ``loss`` is 0."""
+
+
+@dataclass(slots=True, kw_only=True)
+class StepState:
+    """One step on this rank, as the executor fills it in and the hooks read it."""
+
+    plan: StepPlan
+    """The step's plan."""
+    replica: int
+    """This rank's replica (index into ``plan.replicas``)."""
+    stage: int
+    """This rank's pipeline stage."""
+    tp_rank: int
+    """This rank's index in its stage's TP group."""
+    dry_run: bool = False
+    """Forward and backward only (warm-up): parameters and optimiser untouched."""
+    loss_sum: torch.Tensor | None = None
+    """The loss this rank counts (summed over its micro-batches, on the device; zero on ranks that do not count
+    it), set when the compute phase ends."""
+    tokens_computed: int = 0
+    """Tokens of this rank's micro-batches."""
+    traffic: Traffic = field(default_factory=Traffic)
+    """Bytes moved so far."""
+    stats: StepStats | None = None
+    """What the step did, once a meter has read it (at ``end``)."""
+
+
+class PhaseHook(Protocol):
+    """Called as a step enters each phase of :data:`PHASES`."""
+
+    def __call__(self, phase: str, step: StepState) -> None:
+        ...
+
+
+class _BusyClock:
+    """Busy time over a window: CUDA events on the current stream on a GPU (the kernels' time, read once the step
+    is over), CPU time of the process less background threads on the CPU."""
+
+    def __init__(self, cpu_clock: RankCpuClock, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.cpu_start, self.thread_start = cpu_clock.seconds(), time.thread_time()
+        self.cpu_clock, self.cpu_ms, self.thread_ms = cpu_clock, 0.0, 0.0
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def stop(self) -> None:
+        self.thread_ms = (time.thread_time() - self.thread_start) * 1e3
+        self.cpu_ms = (self.cpu_clock.seconds() - self.cpu_start) * 1e3
+        if self.cuda:
+            self.end.record()
+
+    def read(self) -> tuple[float, float]:
+        """(busy ms, computing thread's CPU ms)."""
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end), self.thread_ms
+        return self.cpu_ms, self.thread_ms
+
+
+class StepMeter:
+    """Times the step and its compute phase, and at ``end`` gathers the statistics of every rank in one
+    all-gather (the step's one read of device values) into ``step.stats``."""
+
+    def __init__(self, cpu_clock: RankCpuClock, device: torch.device):
+        self.cpu_clock, self.device = cpu_clock, device
+        self._started = 0.0
+        self._window = (0.0, 0.0)
+        self._clock: _BusyClock | None = None
+
+    def __call__(self, phase: str, step: StepState) -> None:
+        if phase == "pull":
+            self._started = time.perf_counter()
+        elif phase == "compute":
+            self._clock = _BusyClock(self.cpu_clock, self.device)
+            self._window = (time.perf_counter(), 0.0)
+        elif phase == "computed":
+            self._clock.stop()
+            self._window = (self._window[0], time.perf_counter())
+        elif phase == "end":
+            step.stats = self._gather(step)
+
+    def _gather(self, step: StepState) -> StepStats:
+        busy_ms, thread_ms = self._clock.read()  # after the step: a CUDA event is read once, here
+        counted = step.loss_sum
+        summary = torch.cat([counted.reshape(1).double(), torch.tensor(
+            [busy_ms, float(step.tokens_computed), thread_ms], dtype=torch.float64, device=counted.device)])
+        gathered = torch.stack(comm.all_gather(summary)).cpu().tolist()
+        plan = step.plan
+        return StepStats(
+            loss=sum(g[0] for g in gathered) / max(1, global_pair_count(plan.seq_lens)), tokens=sum(plan.seq_lens),
+            strategy=plan.strategy.describe(), busy_ms=tuple(g[1] for g in gathered),
+            wall_ms=(time.perf_counter() - self._started) * 1e3, compilations=0, traffic=step.traffic,
+            tokens_computed=tuple(int(g[2]) for g in gathered), compute_thread_ms=tuple(g[3] for g in gathered),
+            compute_window=self._window)
+
+
+class TakeTurns:
+    """Replicas compute their micro-batches one after the other (a barrier between turns) instead of at once.
+    For measurement on a host with fewer cores than ranks: each replica then has the cores to itself, so a
+    rank's busy time is what it would be with a core of its own, not inflated by other ranks time-slicing its
+    core; the step's wall time becomes the sum of the replicas' times. Add it before the meter."""
+
+    def __call__(self, phase: str, step: StepState) -> None:
+        turns = len(step.plan.replicas)
+        if phase == "compute":  # the earlier replicas' turns
+            for _ in range(step.replica):
+                comm.barrier()
+        elif phase == "computed":  # this replica's turn ends, then the later ones'
+            for _ in range(step.replica, turns):
+                comm.barrier()

@@ -1,0 +1,63 @@
+"""Lowerings: decided once per (scheme, stage, TP rank) on the analysed capture and applied to every bucket's
+capture; a capture the decisions do not fit is refused, never lowered another way; pass options name passes."""
+
+import pytest
+import torch
+
+import hcompile
+from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
+from passes.graph.lowering import apply_lowering, decide_lowerings
+from passes.graph.pass_runner import PassContext, PassError, run_passes
+from passes.graph.pipeline_split import split_pipeline_pass
+from passes.graph.variant import TokenBuckets
+from passes.plan.ir import ParallelScheme
+
+
+def _reads(variant):
+    return sorted(n.target for n in variant.graph_module.graph.nodes if n.op == "get_attr")
+
+
+def test_one_decision_serves_every_bucket():
+    model = init_weights_(Llama(LlamaConfig(layers=4)))
+    cache = hcompile.compile(model, buckets=TokenBuckets(sizes=(16, 32, 64))).lowerings(
+        cost_tokens=lambda scheme: 4096)  # the cut balanced for long micro-batches, whatever the bucket
+    scheme = ParallelScheme(pp=2)
+    for stage in (0, 1):
+        lowering = cache.lowering(scheme, stage)
+        variants = [cache.variant(scheme, stage, bucket) for bucket in (16, 32, 64)]
+        assert all(v.params == lowering.params for v in variants)
+        assert _reads(variants[0]) == _reads(variants[1]) == _reads(variants[2])
+        assert all(v.boundary_in == lowering.boundary_in and v.boundary_out == lowering.boundary_out
+                   for v in variants)
+    assert len(cache._lowerings) == 1  # both stages of the scheme were decided together, once
+    names = {sl.name for s in (0, 1) for sl in cache.lowering(scheme, s).params}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_a_capture_the_decisions_do_not_fit_is_refused():
+    small = hcompile.compile(init_weights_(GPT(GPTConfig(layers=2)))).captured(16).graph_module
+    other = hcompile.compile(init_weights_(GPT(GPTConfig(layers=4)))).captured(16).graph_module
+    stage = decide_lowerings(small, ParallelScheme(pp=2))[0]
+    with pytest.raises(PassError, match="this capture's nodes differ from the analysed capture's"):
+        apply_lowering(stage, other, 16)
+    tp = decide_lowerings(small, ParallelScheme(tp=2), tp_rank=0, tp_group="g")[0]
+    with pytest.raises(PassError, match="linears differ from the analysed capture's"):
+        apply_lowering(tp, other, 16, tp_group="g")
+
+
+def test_lowering_an_undecided_scheme_is_an_error():
+    from passes.graph.lowering import lower_graph
+
+    captured = hcompile.compile(init_weights_(GPT())).captured(16).graph_module
+    with pytest.raises(ValueError, match=r"needs a tensor-parallel plan exactly when tp > 1"):
+        lower_graph(captured, ParallelScheme(tp=2), tp_group="g")
+
+
+def test_an_option_that_names_no_pass_is_refused():
+    gm = hcompile.compile(init_weights_(GPT())).captured(16).graph_module
+    ctx = PassContext(scheme=ParallelScheme(pp=2), options={"pipeline.seq_len": 2048})
+    with pytest.raises(PassError, match=r"options \['pipeline.seq_len'\] name no pass of this run"):
+        run_passes(gm, [split_pipeline_pass], ctx)
+    ctx = PassContext(scheme=ParallelScheme(pp=2), options={"split_pipeline_pass.seq_len": 2048})
+    out, records = run_passes(gm, [split_pipeline_pass], ctx)
+    assert records[0].modified and torch.fx.GraphModule in type(out).__mro__
