@@ -79,3 +79,32 @@ def test_bad_layouts_are_named():
         ComputeLayout(numel=50, ranges={(ParallelScheme(), 0, 0): ((0, 60),)})
     with pytest.raises(PlanError, match=r"no ranges for \(tp4,pp1\) stage 0 TP rank 0"):
         movement_bytes(_toy(), Strategy.parse("1x(tp4)"), 4)
+
+
+def test_the_synthesised_llama_layout_is_the_lowerings():
+    """The planner's LLaMA layout (no graph, any scale) equals the one the lowerings give hcompile's LLaMA: exactly
+    for every tp of one stage (kv heads split or, at tp4 over 2 kv heads, held whole per rank) and for the pipeline
+    cuts the cost-balanced split also makes evenly."""
+    import hcompile
+    from hcompile.cost import compute_layout
+    from hcompile.models import Llama, LlamaConfig, init_weights_
+    from passes.graph.normalize import canonical_graph
+    from passes.graph.tensor_parallel import split_dims
+    from passes.plan.movement import llama_compute_layout
+    from runtime.fixed_layout import FixedLayout
+
+    cfg = LlamaConfig(layers=4, kv_heads=2)
+    model = init_weights_(Llama(cfg))
+    compiled = hcompile.compile(model)
+    dims = split_dims(canonical_graph(compiled.captured(64).graph_module))
+    layout = FixedLayout({n: tuple(p.shape) for n, p in model.named_parameters()}, 0, 1, "cpu", dims)
+    schemes = [ParallelScheme(tp=1), ParallelScheme(tp=2), ParallelScheme(tp=4), ParallelScheme(pp=2),
+               ParallelScheme(pp=4), ParallelScheme(tp=2, pp=2)]
+    real = compute_layout(compiled.lowerings(), layout, schemes)
+    synthesised = llama_compute_layout(layers=cfg.layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
+                                       heads=cfg.heads, kv_heads=cfg.kv_heads, vocab=cfg.vocab, schemes=schemes)
+    assert synthesised.numel == real.numel == sum(p.numel() for p in model.parameters())
+    assert synthesised.ranges == real.ranges
+    with pytest.raises(PlanError, match=r"\(tp3,pp1\) does not fit a LLaMA of 4 heads"):
+        llama_compute_layout(layers=4, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=96,
+                             schemes=[ParallelScheme(tp=3)])

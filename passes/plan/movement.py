@@ -18,7 +18,7 @@ from typing import Mapping
 from passes.plan.ir import ParallelScheme, PlanError, Strategy
 from passes.plan.placement import assign_ranks
 
-__all__ = ["ComputeLayout", "RankMovement", "movement_bytes", "merged", "places"]
+__all__ = ["ComputeLayout", "RankMovement", "movement_bytes", "merged", "places", "llama_compute_layout"]
 
 Ranges = tuple[tuple[int, int], ...]
 Place = tuple[ParallelScheme, int, int]
@@ -153,3 +153,85 @@ def movement_bytes(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int
         out.append(RankMovement(params_received=received * param_bytes, params_sent=served * param_bytes,
                                 grads_sent=received * reduce_bytes, grads_received=served * reduce_bytes))
     return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Param:
+    numel: int
+    rows: int
+    """Size of the split dim (stored outermost): output features of a column-parallel weight, input features of
+    a row-parallel one; 0 when the parameter is never split."""
+    kind: str
+    """``column``, ``row``, ``kv`` (a column-parallel key/value weight) or ``whole``."""
+    stage: str
+    """``first``, ``last`` or ``layer``."""
+    layer: int = -1
+
+
+def _llama_params(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int) -> list[_Param]:
+    """The parameters of an ``hcompile.models.Llama`` in its order (bias-free; separate q, k, v projections)."""
+    kv = hidden // heads * kv_heads
+    out = [_Param(numel=vocab * hidden, rows=0, kind="whole", stage="first")]
+    for i in range(layers):
+        out += [_Param(numel=hidden, rows=0, kind="whole", stage="layer", layer=i),
+                _Param(numel=hidden * hidden, rows=hidden, kind="column", stage="layer", layer=i),
+                _Param(numel=kv * hidden, rows=kv, kind="kv", stage="layer", layer=i),
+                _Param(numel=kv * hidden, rows=kv, kind="kv", stage="layer", layer=i),
+                _Param(numel=hidden * hidden, rows=hidden, kind="row", stage="layer", layer=i),
+                _Param(numel=hidden, rows=0, kind="whole", stage="layer", layer=i),
+                _Param(numel=ffn * hidden, rows=ffn, kind="column", stage="layer", layer=i),
+                _Param(numel=ffn * hidden, rows=ffn, kind="column", stage="layer", layer=i),
+                _Param(numel=hidden * ffn, rows=ffn, kind="row", stage="layer", layer=i)]
+    return out + [_Param(numel=hidden, rows=0, kind="whole", stage="last"),
+                  _Param(numel=vocab * hidden, rows=0, kind="whole", stage="last")]
+
+
+def _block(param: _Param, tp: int, tp_rank: int, heads: int, kv_heads: int) -> tuple[int, int]:
+    """The part [start, stop) of the split dim TP rank ``tp_rank`` holds (the whole parameter when not split)."""
+    if param.kind == "whole" or tp == 1:
+        return 0, param.rows or param.numel
+    if param.kind == "kv" and tp > kv_heads:  # fewer kv heads than ranks: each rank holds its q heads' kv head
+        head = tp_rank * (heads // tp) // (heads // kv_heads)
+        size = param.rows // kv_heads
+        return head * size, (head + 1) * size
+    size = param.rows // tp
+    return tp_rank * size, (tp_rank + 1) * size
+
+
+def llama_compute_layout(*, layers: int, hidden: int, ffn_hidden: int, heads: int, kv_heads: int, vocab: int,
+                         schemes: list[ParallelScheme]) -> ComputeLayout:
+    """The compute layout of a LLaMA (``hcompile.models.Llama``'s parameters and order, embeddings and head not
+    split) for the planner at any scale: q, gate and up projections split by output rows, o and down by input
+    features (stored transposed), k and v by rows or, with fewer kv heads than ranks, the rank's kv head whole;
+    pipeline stages take ``layers / pp`` consecutive layers each (the earlier stages one more when it does not
+    divide), the embedding with the first and the final norm and head with the last. The runtime cuts stages by
+    cost, so under pp > 1 this is the even cut, an approximation of it."""
+    for name, value in (("layers", layers), ("hidden", hidden), ("ffn_hidden", ffn_hidden), ("heads", heads),
+                        ("kv_heads", kv_heads), ("vocab", vocab)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a positive integer, got {value!r}")
+    if hidden % heads or heads % kv_heads:
+        raise PlanError(f"hidden {hidden} must be a multiple of heads {heads}, and heads of kv_heads {kv_heads}")
+    params = _llama_params(layers, hidden, ffn_hidden, heads, kv_heads, vocab)
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel
+    ranges: dict[Place, Ranges] = {}
+    for scheme in schemes:
+        if heads % scheme.tp or (kv_heads % scheme.tp and scheme.tp % kv_heads) or scheme.pp > layers:
+            raise PlanError(f"{scheme.describe()} does not fit a LLaMA of {heads} heads, {kv_heads} kv heads and "
+                            f"{layers} layers")
+        bounds = [sum(layers // scheme.pp + (i < layers % scheme.pp) for i in range(s)) for s in range(scheme.pp + 1)]
+        for stage in range(scheme.pp):
+            for tp_rank in range(scheme.tp):
+                own = []
+                for p, offset in zip(params, offsets):
+                    held = ((p.stage == "first" and stage == 0) or (p.stage == "last" and stage == scheme.pp - 1)
+                            or (p.stage == "layer" and bounds[stage] <= p.layer < bounds[stage + 1]))
+                    if held:
+                        a, b = _block(p, scheme.tp, tp_rank, heads, kv_heads)
+                        inner = p.numel // (p.rows or p.numel)
+                        own.append((offset + a * inner, offset + b * inner))
+                ranges[(scheme, stage, tp_rank)] = merged(own)
+    return ComputeLayout(numel=total, ranges=ranges)
