@@ -1,25 +1,29 @@
 """The trainer's default cost model: the captured graph analysed, on this device's hardware, capped per rank.
 
 Owns :data:`CPU` (the 0.2 TFLOP model CPU ranks plan with), :data:`ANALYSIS_TOKENS` (the capture that graph
-analysis reads), :func:`default_cost_model`, :func:`cap_tokens` and :func:`check_strategies` (listed
-strategies this job can run, or a ValueError saying why not).
+analysis reads), :func:`default_cost_model`, :func:`cap_tokens`, :func:`check_strategies` (listed
+strategies this job can run, or a ValueError saying why not) and :func:`compute_layout` (where each place of
+each scheme computes in the fixed layout, for the planner's count of parameter and gradient movement).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import fx
 
 from passes.graph.analyze import Hardware, analytic_cost_model, analyze_graph
 from passes.graph.hardware import hardware_for_device
+from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.plan.ir import CostModel, ParallelScheme, Strategy
+from passes.plan.movement import ComputeLayout, merged
+from runtime.fixed_layout import FixedLayout
 
-__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies"]
+__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout"]
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims, vocabulary) reads."""
@@ -82,3 +86,19 @@ def check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph:
             if scheme not in known:
                 raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
                                  f"({', '.join(s.describe() for s in sorted(known, key=str))})")
+
+
+def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
+                   schemes: Sequence[ParallelScheme]) -> ComputeLayout:
+    """Where every (scheme, stage, TP rank) of ``schemes`` computes in ``layout``: the flat ranges of its
+    lowering's parameter slices (``FixedLayout.slice_ranges``, what ``runtime.stage_params`` holds), for the
+    planner's movement count (``passes.plan.movement``). Decides the lowerings it has not met yet."""
+    ranges = {}
+    for scheme in schemes:
+        for stage in range(scheme.pp):
+            for tp_rank in range(scheme.tp):
+                group = "movement" if scheme.tp > 1 else None  # decisions do not depend on the group's name
+                lowering = lowerings.lowering(scheme, stage, tp_rank, group)
+                ranges[(scheme, stage, tp_rank)] = merged([r for sl in lowering.params
+                                                           for r in layout.slice_ranges(sl)])
+    return ComputeLayout(numel=layout.numel, ranges=ranges)

@@ -22,11 +22,13 @@ def test_json_summary_has_every_field(capsys):
                                     "hydraulis"}
     for numbers in out["policies"].values():
         assert set(numbers) == {"est_step_ms_mean", "tokens_per_s", "solve_ms_p50", "solve_ms_p95", "vs_bound",
-                                "costliest"}
+                                "costliest", "bytes_per_rank_max"}
         assert numbers["est_step_ms_mean"] >= out["lower_bound_ms_mean"] * (1 - 1e-9)
         assert set(numbers["vs_bound"]) == {"mean", "p50", "p90", "max"} and numbers["vs_bound"]["p50"] >= 1
         assert sum(numbers["costliest"].values()) == 2
     assert out["steps"] == 2 and [s["step"] for s in out["per_step"]] == [0, 1]
+    fixed = out["policies"]["homogeneous-token"]["bytes_per_rank_max"]  # every step runs the fixed strategy
+    assert fixed == _busiest(out["fixed_strategy"])
     for step in out["per_step"]:
         assert set(step["bounds"]) == {"area", "latency", "pipeline", "long", "binding"}
         assert step["lower_bound_ms"] == max(v for k, v in step["bounds"].items() if k != "binding")
@@ -35,6 +37,21 @@ def test_json_summary_has_every_field(capsys):
             assert set(d["gap_ms"]) == {"strategy", "dispatch", "packing"}
             assert min(r["slack_ms"] for r in d["replicas"]) == 0
             assert d["unavoidable_ms"] >= 0 and d["costliest"] in d["gap_ms"]
+
+
+def _busiest(strategy: str) -> int:
+    """The busiest rank's bytes per step of llama-32b on 64 A800s under ``strategy``, counted independently: the
+    profile's shape laid out as hcompile's LLaMA, the owners' equal shards, bf16 parameters and fp32 gradients."""
+    from passes.plan.cost_model import load_profile
+    from passes.plan.ir import Strategy
+    from passes.plan.movement import llama_compute_layout, movement_bytes
+
+    profile = load_profile("llama-32b")
+    parsed = Strategy.parse(strategy)
+    layout = llama_compute_layout(layers=profile.layers, hidden=profile.hidden, ffn_hidden=profile.ffn_hidden,
+                                  heads=profile.heads, kv_heads=profile.heads, vocab=profile.vocab,
+                                  schemes=list(parsed.schemes))
+    return max(m.total for m in movement_bytes(layout, parsed, profile.gpus_per_node, param_bytes=2, reduce_bytes=4))
 
 
 def test_paper_memory_model(capsys):

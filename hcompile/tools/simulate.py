@@ -27,6 +27,7 @@ from passes.plan.cost_model import (
 from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
 from passes.plan.diagnose import StepDiagnosis, diagnose
 from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
+from passes.plan.movement import llama_compute_layout, movement_bytes
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 
@@ -96,6 +97,9 @@ class PolicyResult:
     """Tokens planned over all steps."""
     diagnoses: tuple[StepDiagnosis, ...] = ()
     """Each step's plan against its bounds."""
+    moved_bytes: tuple[int, ...] = ()
+    """Per step, the busiest rank's parameter and gradient bytes (received and sent) under this runtime's fixed
+    layout (``passes.plan.movement``); empty when the profile does not give the model's heads and FFN width."""
 
     @property
     def est_step_ms_mean(self) -> float:
@@ -158,6 +162,7 @@ class PlanReport:
             "policies": {
                 name: {
                     "est_step_ms_mean": round(r.est_step_ms_mean, 3),
+                    **({"bytes_per_rank_max": int(np.mean(r.moved_bytes))} if r.moved_bytes else {}),
                     "tokens_per_s": round(r.tokens_per_s, 3),
                     "solve_ms_p50": round(float(np.percentile(r.solve_ms, 50)), 3),
                     "solve_ms_p95": round(float(np.percentile(r.solve_ms, 95)), 3),
@@ -215,6 +220,26 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     return Planner(cost_model, job.gpus, pool, fixed), dataset, batches
 
 
+def _movement(profile: Profile, planner: Planner) -> Callable[[Strategy], int] | None:
+    """``moved(strategy)``: the busiest rank's bytes per step under this runtime's defaults on GPUs (bf16
+    parameters, fp32 gradients), from the LLaMA layout of the profile's shape; None when the profile does not
+    give the heads and FFN width."""
+    if profile.heads is None or profile.ffn_hidden is None:
+        return None
+    layout = llama_compute_layout(layers=profile.layers, hidden=profile.hidden, ffn_hidden=profile.ffn_hidden,
+                                  heads=profile.heads, kv_heads=profile.kv_heads or profile.heads,
+                                  vocab=profile.vocab, schemes=list(planner.cost_model.schemes))
+    cache: dict[Strategy, int] = {}
+
+    def moved(strategy: Strategy) -> int:
+        if strategy not in cache:
+            ranks = movement_bytes(layout, strategy, planner.cost_model.gpus_per_node, param_bytes=2, reduce_bytes=4)
+            cache[strategy] = max(r.total for r in ranks)
+        return cache[strategy]
+
+    return moved
+
+
 def run_plan_job(job: PlanJob, plans_out: str | None = None,
                  progress: Progress | None = None) -> tuple[PlanReport, list[StepPlan]]:
     """Plan every step with every policy; write ``plans_out`` (JSON lines, checked first) atomically at the end.
@@ -222,6 +247,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     if plans_out is not None:
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job, progress)
+    moved = _movement(_profile(job), planner)
     plans: list[StepPlan] = []
     lines: list[str] = []
     per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
@@ -241,7 +267,8 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
                 progress("planning steps x policies", len(plans), len(batches) * len(job.policies))
     results = {
         name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
-                           tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]))
+                           tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]),
+                           moved_bytes=tuple(moved(p.strategy) for p in ps) if moved is not None else ())
         for name, ps in per_policy.items()
     }
     report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,

@@ -118,6 +118,12 @@ class Profile:
     """A_tp: activation bytes per token per hidden unit per layer, by TP degree."""
     coefficients: tuple[tuple[ParallelScheme, float, float, float], ...]
     """(scheme, a, b, c) per profiled scheme."""
+    ffn_hidden: int | None = None
+    """SwiGLU inner width, when the profile says (what the planner's count of parameter movement needs)."""
+    heads: int | None = None
+    """Attention heads, when the profile says."""
+    kv_heads: int | None = None
+    """Key/value heads (None with ``heads`` given: as many as ``heads``)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "vocab", "gpus_per_node"):
@@ -175,6 +181,9 @@ class Profile:
                                                _finite(v, f"activation bytes of tp {k}", label, positive=True))
                                               for k, v in table.items())),
                 coefficients=coefficients,
+                ffn_hidden=_whole(model["ffn_hidden"], "ffn_hidden", label) if "ffn_hidden" in model else None,
+                heads=_whole(model["heads"], "heads", label) if "heads" in model else None,
+                kv_heads=_whole(model["kv_heads"], "kv_heads", label) if "kv_heads" in model else None,
             )
         except PlanError:
             raise

@@ -1,0 +1,110 @@
+"""The planner's count of parameter and gradient movement (``passes.plan.movement``, no torch) equals the bytes the
+runtime moves (``StepStats.traffic``) on every rank, for strategies drawn at random on 4 ranks; and the counting
+itself on hand-made layouts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from dist_util import run_ranks
+
+from passes.plan.ir import ParallelScheme, PlanError, Strategy
+from passes.plan.movement import ComputeLayout, merged, movement_bytes, places
+
+STRATEGIES = ["4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp4)", "1x(tp1,pp2)+2x(tp1)", "2x(tp1,pp2)",
+              "1x(tp2,pp2)", "1x(tp1,pp4)"]
+DRAWN = random.Random(23).sample(STRATEGIES, 5)
+
+
+def _rank(rank, world, strategies):
+    import hcompile
+    from hcompile.cost import compute_layout
+    from hcompile.models import Llama, LlamaConfig, init_weights_
+
+    trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(layers=4)), seed=0)).trainer(
+        loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=strategies,
+        tokens_per_rank=64, calibrate=False)
+    parsed = [Strategy.parse(s) for s in strategies]
+    layout = compute_layout(trainer.lowerings, trainer.layout, sorted({s for p in parsed for s in p.schemes}))
+    g = torch.Generator().manual_seed(3)  # the same batches on every rank
+    out = []
+    for strategy in strategies:
+        batch = [torch.randint(0, 96, (n,), generator=g) for n in (30, 12, 50, 7, 21, 40)]
+        stats = trainer.train_step(batch, strategy=strategy)
+        predicted = movement_bytes(layout, Strategy.parse(strategy), trainer.cost_model.gpus_per_node,
+                                   param_bytes=4, reduce_bytes=4)[rank]
+        t = stats.traffic
+        out.append((strategy, (t.params_received, t.params_sent, t.grads_sent, t.grads_received),
+                    (predicted.params_received, predicted.params_sent, predicted.grads_sent,
+                     predicted.grads_received)))
+    return out
+
+
+def test_the_planners_bytes_are_the_runtimes_on_every_rank(tmp_path):
+    for rank, steps in enumerate(run_ranks(4, tmp_path, _rank, DRAWN, timeout_s=300)):
+        for strategy, measured, predicted in steps:
+            assert measured == predicted, (rank, strategy, measured, predicted)
+            assert sum(measured) > 0, (rank, strategy)
+
+
+def _toy(numel=100):
+    one, two = ParallelScheme(), ParallelScheme(tp=2)
+    return ComputeLayout(numel=numel, ranges={
+        (one, 0, 0): ((0, numel),),
+        (two, 0, 0): ((0, 10), (20, 60)), (two, 0, 1): ((10, 20), (60, 100)),
+    })
+
+
+def test_counting_on_a_hand_made_layout():
+    # 4 ranks own 25 elements each; 1x(tp2)+2x(tp1): ranks 0, 1 are the tp2 pair, 2 and 3 hold everything
+    moved = movement_bytes(_toy(), Strategy.parse("1x(tp2)+2x(tp1)"), 4, param_bytes=2, reduce_bytes=4)
+    # rank 0 needs [0,10)+[20,60), 15 of it in its shard [0,25) -> receives 35; rank 1 needs [10,20)+[60,100),
+    # none of it in its shard [25,50) -> receives 50; ranks 2, 3 need all 100 and hold 25 -> receive 75
+    assert [m.params_received for m in moved] == [35 * 2, 50 * 2, 75 * 2, 75 * 2]
+    assert [m.grads_sent for m in moved] == [35 * 4, 50 * 4, 75 * 4, 75 * 4]
+    # shard 0 [0,25) serves rank 1 ([10,20): 10) and ranks 2 and 3 (25 each): 60 elements
+    assert moved[0].params_sent == 60 * 2 and moved[0].grads_received == 60 * 4
+    total_in = sum(m.params_received for m in moved)
+    assert total_in == sum(m.params_sent for m in moved)  # every byte received was sent by someone
+    assert [p[0].tp for p in places(Strategy.parse("1x(tp2)+2x(tp1)"), 4)] == [2, 2, 1, 1]
+
+
+def test_bad_layouts_are_named():
+    with pytest.raises(PlanError, match="overlapping ranges"):
+        merged([(0, 10), (5, 12)])
+    assert merged([(5, 8), (0, 5), (9, 9)]) == ((0, 8),)
+    with pytest.raises(PlanError, match=r"must be sorted, disjoint, joined and inside \[0, 50\)"):
+        ComputeLayout(numel=50, ranges={(ParallelScheme(), 0, 0): ((0, 60),)})
+    with pytest.raises(PlanError, match=r"no ranges for \(tp4,pp1\) stage 0 TP rank 0"):
+        movement_bytes(_toy(), Strategy.parse("1x(tp4)"), 4)
+
+
+def test_the_synthesised_llama_layout_is_the_lowerings():
+    """The planner's LLaMA layout (no graph, any scale) equals the one the lowerings give hcompile's LLaMA: exactly
+    for every tp of one stage (kv heads split or, at tp4 over 2 kv heads, held whole per rank) and for the pipeline
+    cuts the cost-balanced split also makes evenly."""
+    import hcompile
+    from hcompile.cost import compute_layout
+    from hcompile.models import Llama, LlamaConfig, init_weights_
+    from passes.graph.normalize import canonical_graph
+    from passes.graph.tensor_parallel import split_dims
+    from passes.plan.movement import llama_compute_layout
+    from runtime.fixed_layout import FixedLayout
+
+    cfg = LlamaConfig(layers=4, kv_heads=2)
+    model = init_weights_(Llama(cfg))
+    compiled = hcompile.compile(model)
+    dims = split_dims(canonical_graph(compiled.captured(64).graph_module))
+    layout = FixedLayout({n: tuple(p.shape) for n, p in model.named_parameters()}, 0, 1, "cpu", dims)
+    schemes = [ParallelScheme(tp=1), ParallelScheme(tp=2), ParallelScheme(tp=4), ParallelScheme(pp=2),
+               ParallelScheme(pp=4), ParallelScheme(tp=2, pp=2)]
+    real = compute_layout(compiled.lowerings(), layout, schemes)
+    synthesised = llama_compute_layout(layers=cfg.layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
+                                       heads=cfg.heads, kv_heads=cfg.kv_heads, vocab=cfg.vocab, schemes=schemes)
+    assert synthesised.numel == real.numel == sum(p.numel() for p in model.parameters())
+    assert synthesised.ranges == real.ranges
+    with pytest.raises(PlanError, match=r"\(tp3,pp1\) does not fit a LLaMA of 4 heads"):
+        llama_compute_layout(layers=4, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=96,
+                             schemes=[ParallelScheme(tp=3)])
