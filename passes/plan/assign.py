@@ -22,6 +22,7 @@ __all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", 
 
 _EPS = 1e-9
 _EXACT_LIMIT = 4096  # assignments enumerated at most by the exact solve of tiny instances
+_EVERY_COUNT_UP_TO = 12  # a pipelined replica of at most this many sequences tries every micro-batch count
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,22 @@ def _one_f_one_b(pp: int, times: list[float]) -> float:
     return (sum(times) + (pp - 1) * max(times)) if times else 0.0
 
 
+def _micro_batch_counts(kind: Kind, ms: Mapping[int, float], tokens: int) -> list[int]:
+    """Micro-batch counts worth trying for a pipelined replica, all in ``[v_min, sequences]`` (a sequence is
+    never split, so no count above the sequence count exists): every one for few sequences, else the counts
+    near ``sqrt((pp-1) W / c)`` (the best for equal micro-batches) and near ``W / longest`` (past which the
+    longest sequence alone sets the largest micro-batch), clamped into that range."""
+    count = len(ms)
+    v_min = max(1, -(-tokens // kind.max_tokens))
+    if count <= _EVERY_COUNT_UP_TO:
+        return list(range(v_min, count + 1))
+    work, longest = sum(ms.values()), max(ms.values())
+    v_opt = math.sqrt((kind.pp - 1) * work / kind.c) if kind.c > 0 else count
+    v_long = work / longest if longest > 0 else count
+    near = {v for centre in (v_opt, v_long) for v in range(math.floor(centre) - 1, math.ceil(centre) + 2)}
+    return sorted({v_min, *(min(count, max(v_min, v)) for v in near)})
+
+
 def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[list[list[int]], float]:
     """Stage 2: micro-batches for one replica and its exact 1F1B time."""
     if not indices:
@@ -132,11 +149,7 @@ def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[l
     if kind.pp == 1:
         return best_bins, best_ms
     order = sorted(indices, key=lambda j: (-seq_lens[j], j))
-    work, tokens = sum(ms.values()), sum(seq_lens[i] for i in indices)
-    v_min = max(1, -(-tokens // kind.max_tokens))
-    v_opt = math.sqrt((kind.pp - 1) * work / kind.c) if kind.c > 0 else len(indices)
-    candidates = {v_min, *range(max(v_min, math.floor(v_opt) - 1), math.ceil(v_opt) + 2)}
-    for v in sorted(v for v in candidates if v <= len(indices)):
+    for v in _micro_batch_counts(kind, ms, sum(seq_lens[i] for i in indices)):
         packed = _balance_time(kind, order, seq_lens, ms, v)
         if packed is None:
             continue

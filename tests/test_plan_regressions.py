@@ -1,0 +1,52 @@
+"""Planner faults found against exhaustive optima of small instances (issue 23): each instance as it was found,
+against an optimum written from the cost model's definition alone."""
+
+import math
+
+import pytest
+
+from passes.plan.assign import Kind, pack_replica
+from passes.plan.ir import ParallelScheme
+
+
+def _splits(items: list[int]):
+    """Every split of ``items`` into non-empty groups."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for groups in _splits(rest):
+        yield [[first], *groups]
+        for k in range(len(groups)):
+            yield [*groups[:k], [first, *groups[k]], *groups[k + 1:]]
+
+
+def best_packing_ms(kind: Kind, seq_lens: list[int]) -> float:
+    """The least 1F1B time of one replica over every split of its sequences into micro-batches."""
+    best = math.inf
+    for groups in _splits(seq_lens):
+        if all(sum(g) <= kind.max_tokens for g in groups):
+            times = [sum(kind.seq_ms(s) for s in g) + kind.c for g in groups]
+            best = min(best, sum(times) + (kind.pp - 1) * max(times))
+    return best
+
+
+def test_pipelined_replica_may_use_as_many_micro_batches_as_sequences():
+    # sqrt((pp-1) W / c) = 11.2 micro-batches for 8 sequences: the counts near it were dropped, not clamped,
+    # and the replica ran one micro-batch of 310.4 ms.
+    kind = Kind(ParallelScheme(tp=2, pp=4), 4.176e-5, 0.1412, 1.804, 527)
+    seq_lens = [17, 1, 156, 2, 129, 29, 156, 27]
+    bins, ms = pack_replica(kind, seq_lens, list(range(len(seq_lens))))
+    assert best_packing_ms(kind, seq_lens) == pytest.approx(157.56, abs=0.01)
+    assert ms == pytest.approx(best_packing_ms(kind, seq_lens), rel=1e-9)
+    assert sorted(i for b in bins for i in b) == list(range(len(seq_lens)))
+
+
+def test_pipelined_replica_of_a_32b_model_runs_each_long_sequence_alone():
+    # llama-32b's (tp8,pp4): three 13,952-token sequences, two of which fit one micro-batch; 5,644 ms packed
+    # as two micro-batches, 3,830 ms as three.
+    kind = Kind(ParallelScheme(tp=8, pp=4), 4.91076016e-07, 0.0370804063, 25.442409002069667, 27904)
+    bins, ms = pack_replica(kind, [13_952] * 3, [0, 1, 2])
+    assert len(bins) == 3
+    assert ms == pytest.approx(best_packing_ms(kind, [13_952] * 3), rel=1e-9)
+    assert ms == pytest.approx(3830, abs=1)
