@@ -3,9 +3,10 @@ against an optimum written from the cost model's definition alone."""
 
 import math
 
+import numpy as np
 import pytest
 
-from passes.plan.assign import Kind, pack_replica
+from passes.plan.assign import Kind, first_fit, pack_fewest_bins, pack_replica
 from passes.plan.ir import ParallelScheme
 
 
@@ -50,3 +51,22 @@ def test_pipelined_replica_of_a_32b_model_runs_each_long_sequence_alone():
     assert len(bins) == 3
     assert ms == pytest.approx(best_packing_ms(kind, [13_952] * 3), rel=1e-9)
     assert ms == pytest.approx(3830, abs=1)
+
+
+def test_fewest_bins_finds_the_perfect_packing_first_fit_decreasing_misses():
+    # 498 tokens under a 249-token cap: 106+77+66 and 105+87+57; first-fit decreasing needs three.
+    seq_lens = [106, 105, 87, 77, 66, 57]
+    bins = pack_fewest_bins(seq_lens, list(range(6)), 249)
+    assert len(bins) == 2
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(seq_lens[i] for i in b) <= 249 for b in bins)
+    kind = Kind(ParallelScheme(tp=1), 1e-4, 0.5, 10.0, 249)
+    assert pack_replica(kind, seq_lens, list(range(6)))[1] == pytest.approx(best_packing_ms(kind, seq_lens))
+
+
+def test_fewest_bins_of_many_sequences_is_first_fit_decreasing():
+    # past the exact search's reach (24 sequences): first-fit decreasing, as before
+    rng = np.random.default_rng(3)
+    seq_lens = [int(x) for x in rng.integers(20, 140, 40)]
+    longest_first = sorted(range(40), key=lambda j: (-seq_lens[j], j))
+    assert pack_fewest_bins(seq_lens, list(range(40)), 249) == first_fit(seq_lens, longest_first, 249)

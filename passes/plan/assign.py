@@ -22,6 +22,8 @@ __all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", 
 
 _EPS = 1e-9
 _EXACT_LIMIT = 4096  # assignments enumerated at most by the exact solve of tiny instances
+_EXACT_BINS_SEQS = 24  # the exact fewest-bins search runs for at most this many sequences...
+_EXACT_BINS_NODES = 2000  # ...and visits at most this many nodes, else first-fit decreasing stands
 _EVERY_COUNT_UP_TO = 12  # a pipelined replica of at most this many sequences tries every micro-batch count
 
 
@@ -89,9 +91,63 @@ def first_fit(seq_lens: list[int], order: list[int], cap: int) -> list[list[int]
     return bins
 
 
+def _fewest_bins_floor(sizes: list[int], cap: int) -> int:
+    """A count no packing of ``sizes`` into bins of ``cap`` beats: the tokens over the cap, and the sizes
+    above half the cap (no two share a bin)."""
+    return max(-(-sum(sizes) // cap), sum(1 for s in sizes if 2 * s > cap))
+
+
+def _fit_into(seq_lens: list[int], order: list[int], cap: int, bins: int,
+              budget: list[int]) -> list[list[int]] | None:
+    """A packing of ``order`` (longest first) into ``bins`` bins of ``cap`` tokens by depth-first search: each
+    sequence tried in every bin with room, bins of equal room once; a branch is cut when the room that the
+    shortest sequence still fits in is less than the tokens left. None when there is none, or when the
+    search spends ``budget[0]`` (decremented per node; negative afterwards when it ran out)."""
+    sizes = [seq_lens[i] for i in order]
+    left = list(itertools.accumulate(reversed(sizes)))[::-1] + [0]
+    smallest = sizes[-1]
+    room = [cap] * bins
+    members: list[list[int]] = [[] for _ in range(bins)]
+
+    def place(k: int) -> bool:
+        if k == len(order):
+            return True
+        budget[0] -= 1
+        if budget[0] < 0 or sum(r for r in room if r >= smallest) < left[k]:
+            return False
+        tried = set()
+        for b in range(bins):
+            if room[b] >= sizes[k] and room[b] not in tried:
+                tried.add(room[b])
+                room[b] -= sizes[k]
+                members[b].append(order[k])
+                if place(k + 1):
+                    return True
+                room[b] += sizes[k]
+                members[b].pop()
+        return False
+
+    return members if place(0) else None
+
+
 def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[list[int]]:
-    """First-fit decreasing by tokens: few micro-batches of at most ``cap`` tokens."""
-    return first_fit(seq_lens, sorted(indices, key=lambda j: (-seq_lens[j], j)), cap)
+    """The fewest micro-batches of at most ``cap`` tokens: first-fit decreasing, and when that uses more than
+    the floor (tokens over the cap, sequences over half the cap), for at most ``_EXACT_BINS_SEQS`` sequences
+    an exact search for fewer within ``_EXACT_BINS_NODES`` nodes; first-fit decreasing stands when the
+    search runs out."""
+    order = sorted(indices, key=lambda j: (-seq_lens[j], j))
+    packed = first_fit(seq_lens, order, cap)
+    floor = _fewest_bins_floor([seq_lens[i] for i in indices], cap)
+    if len(packed) == floor or len(order) > _EXACT_BINS_SEQS:
+        return packed
+    budget = [_EXACT_BINS_NODES]
+    for bins in range(floor, len(packed)):
+        fewer = _fit_into(seq_lens, order, cap, bins, budget)
+        if fewer is not None:
+            return fewer
+        if budget[0] < 0:
+            break
+    return packed
 
 
 def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: Mapping[int, float],
