@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from passes.plan.assign import Kind, first_fit, pack_fewest_bins, pack_replica
-from passes.plan.ir import ParallelScheme
+from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
+from passes.plan.pool import fluid_estimate
 
 
 def _splits(items: list[int]):
@@ -70,3 +71,19 @@ def test_fewest_bins_of_many_sequences_is_first_fit_decreasing():
     seq_lens = [int(x) for x in rng.integers(20, 140, 40)]
     longest_first = sorted(range(40), key=lambda j: (-seq_lens[j], j))
     assert pack_fewest_bins(seq_lens, list(range(40)), 249) == first_fit(seq_lens, longest_first, 249)
+
+
+def test_fluid_estimate_takes_a_strategy_of_four_schemes():
+    model = CostModel(name="four", gpus_per_node=8, entries=(
+        SchemeCost(scheme=ParallelScheme(tp=1), a=4e-4, b=1.0, c=20.0, max_tokens=256),
+        SchemeCost(scheme=ParallelScheme(tp=2), a=2.5e-4, b=0.55, c=15.0, max_tokens=640),
+        SchemeCost(scheme=ParallelScheme(tp=1, pp=2), a=2e-4, b=0.5, c=12.0, max_tokens=512),
+        SchemeCost(scheme=ParallelScheme(tp=4), a=1.5e-4, b=0.3, c=12.0, max_tokens=1536),
+    ))
+    four = Strategy.parse("1x(tp4)+1x(tp2)+1x(tp1,pp2)+2x(tp1)")
+    batch = [1000, 600, 300, 100, 20, 20]
+    estimate = fluid_estimate(model, four, batch)
+    assert math.isfinite(estimate)
+    # the tp4 replica alone would take the 1000-token sequence and the rest: no better than the four schemes
+    assert estimate <= fluid_estimate(model, Strategy.parse("1x(tp4)+1x(tp2)+1x(tp1,pp2)"), batch) + 1e-9
+    assert fluid_estimate(model, four, [2000]) == math.inf

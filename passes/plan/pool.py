@@ -26,7 +26,8 @@ from passes.plan.placement import placeable, too_long_error, usable_schemes
 __all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate", "fluid_scores",
            "mixes_of"]
 
-_SPLIT_POINTS = 257
+_SPLIT_POINTS = 257  # evenly spaced boundary candidates at most
+_GRID_ROWS = 1225  # boundary rows at most from them: three segments' 49 points
 
 
 def tier_caps(cost_model: CostModel, gpus: int, longest: int) -> list[int]:
@@ -74,19 +75,28 @@ def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray,
     return busy * (w + v * k.c + (k.pp - 1) * (np.maximum(w / v, longest) + k.c))
 
 
+def _even_points(parts: int) -> int:
+    """Evenly spaced boundary candidates for ``parts`` segments: the most (up to ``_SPLIT_POINTS``) that keep the
+    grid within ``_GRID_ROWS`` rows (257 for two segments, 49 for three, 18 for four, 11 for five)."""
+    points = _SPLIT_POINTS
+    while points > 2 and math.comb(points + parts - 2, parts - 1) > _GRID_ROWS:
+        points -= 1
+    return points
+
+
 def _split_grid(seqs_desc: np.ndarray, caps: list[int], parts: int) -> np.ndarray:
-    """Candidate segment boundaries (rows of ``parts - 1`` ascending indices) over the sorted batch."""
+    """Candidate segment boundaries (rows of ``parts - 1`` ascending indices) over the sorted batch: every
+    non-decreasing choice from evenly spaced points and the points where a scheme stops holding the sequences."""
     n = len(seqs_desc)
-    points = set(np.linspace(0, n, min(n + 1, _SPLIT_POINTS if parts == 2 else 49)).astype(int).tolist())
-    points.update(int(np.sum(seqs_desc > c)) for c in caps)  # where a scheme stops holding the sequences
+    points = set(np.linspace(0, n, min(n + 1, _even_points(parts))).astype(int).tolist())
+    points.update(int(np.sum(seqs_desc > c)) for c in caps)
     grid = np.array(sorted(points))
-    if parts == 1:
-        return np.zeros((1, 0), dtype=int)
-    if parts == 2:
-        return grid[:, None]
-    first, second = np.meshgrid(grid, grid, indexing="ij")
-    keep = first <= second
-    return np.stack((first[keep], second[keep]), axis=1)
+    rows = np.zeros((1, 0), dtype=int)
+    for _ in range(parts - 1):  # each row extended by every point at or after its last
+        last = rows[:, -1] if rows.shape[1] else np.zeros(1, dtype=int)
+        row, point = np.nonzero(grid[None, :] >= last[:, None])
+        rows = np.concatenate((rows[row], grid[point][:, None]), axis=1)
+    return rows
 
 
 def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
