@@ -97,3 +97,14 @@ def test_fluid_estimate_takes_a_strategy_of_four_schemes():
     # the tp4 replica alone would take the 1000-token sequence and the rest: no better than the four schemes
     assert estimate <= fluid_estimate(model, Strategy.parse("1x(tp4)+1x(tp2)+1x(tp1,pp2)"), batch) + 1e-9
     assert fluid_estimate(model, four, [2000]) == math.inf
+
+
+def test_fluid_estimate_of_a_pipelined_replica_runs_no_more_micro_batches_than_it_has_sequences():
+    # llama-32b's (tp8,pp4) with three 13,952-token sequences: sqrt((pp-1) W / c) = 14.7 micro-batches were
+    # charged (4,128 ms); three is all there are, and the longest sequence sets the largest anyway (3,830 ms)
+    e = SchemeCost(scheme=ParallelScheme(tp=8, pp=4), a=4.91076016e-07, b=0.0370804063, c=25.442409002069667,
+                   max_tokens=27904)
+    model = CostModel(name="32b", entries=(e,), gpus_per_node=8)
+    kind = Kind.of(model, e.scheme)
+    _, packed = pack_replica(kind, [13_952] * 3, [0, 1, 2])
+    assert fluid_estimate(model, Strategy.parse("1x(tp8,pp4)"), [13_952] * 3) == pytest.approx(packed, rel=1e-9)

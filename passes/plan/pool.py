@@ -64,14 +64,20 @@ def conditional_batches(dataset: LengthDataset, global_tokens: int, low: int, hi
     return batches
 
 
-def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Fluid 1F1B time of one of ``n`` equal replicas sharing ``work`` ms over ``tokens``."""
+def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, seqs: np.ndarray,
+             n: np.ndarray) -> np.ndarray:
+    """Fluid 1F1B time of one of ``n`` equal replicas sharing ``work`` ms over ``tokens`` and ``seqs`` sequences,
+    the longest of ``longest`` ms. A pipelined replica runs ``sqrt((pp-1) w / c)`` micro-batches, fewer where
+    the longest sequence alone sets the largest (``w / longest``) or the replica has fewer sequences."""
     w, t = work / n, tokens / n
     busy = np.where(work > 0, 1.0, 0.0)
     v_min = np.maximum(1.0, t / k.max_tokens)
     if k.pp == 1:
         return busy * np.maximum(w + k.c * v_min, longest + k.c)
-    v = np.maximum(v_min, np.sqrt((k.pp - 1) * w / k.c)) if k.c > 0 else np.maximum(v_min, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v_long = np.where(longest > 0, w / longest, np.inf)
+    v_opt = np.sqrt((k.pp - 1) * w / k.c) if k.c > 0 else np.full_like(w, np.inf)
+    v = np.maximum(v_min, np.minimum(np.minimum(v_opt, v_long), np.maximum(1.0, seqs / n)))
     return busy * (w + v * k.c + (k.pp - 1) * (np.maximum(w / v, longest) + k.c))
 
 
@@ -118,7 +124,7 @@ def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> n
         head = np.minimum(lo, n - 1)
         feasible = empty | (s[head] <= t.max_tokens)
         longest = np.where(empty, 0.0, w[head])
-        ms = _type_ms(t, prefix[hi] - prefix[lo], tokens[hi] - tokens[lo], longest,
+        ms = _type_ms(t, prefix[hi] - prefix[lo], tokens[hi] - tokens[lo], longest, (hi - lo).astype(np.float64),
                       counts[:, k:k + 1].astype(np.float64))
         worst = np.maximum(worst, np.where(feasible, ms, np.inf))
     return worst.min(axis=1)
