@@ -71,10 +71,11 @@ class Planner:
 
     def __init__(self, cost_model: CostModel, gpus: int, pool: list[Strategy], fixed: Strategy,
                  rounds: int = 64, prune_above: float = 1.02, refine: bool = True, refine_starts: int = 2,
-                 full_at_least: int = 2, allow: Callable[[Strategy], bool] | None = None,
+                 full_at_least: int = 2, full_at_most: int = 16, allow: Callable[[Strategy], bool] | None = None,
                  movement: MovementCost | None = None):
         self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
-        for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least)):
+        for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least),
+                            ("full_at_most", full_at_most)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
         for strategy in [*pool, fixed]:
@@ -92,6 +93,11 @@ class Planner:
         self._last_bounds: tuple[tuple[int, ...], Bounds] | None = None
         self.full_at_least = full_at_least
         """Strategies planned in full per step, the best by the fluid estimate (more while within ``prune_above``)."""
+        self.full_at_most = full_at_most
+        """At most this many planned in full per step besides those ``full_at_least`` asks for (a bound on the
+        solve time where the ranking's movement is the loose bound: above ``MovementCost.exact_up_to`` ranks)."""
+        self.planned_in_full = 0
+        """How many strategies the last step planned in full."""
         self.movement = movement
         """The movement charged to each strategy (None: estimates are compute only)."""
         self.movement_floor_ms = (0.0 if movement is None
@@ -180,19 +186,26 @@ class Planner:
     def _best_of(self, candidates: list[Strategy], seq_lens: list[int], refine: bool = False) -> _Assignment:
         """Plan in full, in order of the fluid estimate: the first ``full_at_least`` candidates and the best
         candidate of ``candidates`` themselves, then every other one predicted within ``prune_above`` of the
-        best plan found and not excluded by its schemes' bound."""
+        best plan found and not excluded by its schemes' bound, ``full_at_most`` in all."""
         ranked = self._ranked(candidates, seq_lens, refine)
         first_own = next((s for _, _, s in ranked if s in candidates), ranked[0][2])
         best = None
+        self.planned_in_full = 0
         for planned, (fluid, _, strategy) in enumerate(ranked):
             must = planned < self.full_at_least or strategy == first_own
-            if best is not None and not must and fluid > best.est_ms * self.prune_above:
-                continue  # predicted clearly slower than the best plan found
+            if best is not None and not must and self.planned_in_full >= self.full_at_most:
+                continue
+            # predicted clearly slower than the best plan found: the margin is a share of its compute (the fluid
+            # estimate's error), not of the movement both sides carry
+            if best is not None and not must and fluid > best.est_ms + (self.prune_above - 1) * (best.est_ms -
+                                                                                                 best.move_ms):
+                continue
             bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens, list(strategy.schemes))
             bound += self._move_floor_ms(strategy)
             if best is not None and bound >= best.est_ms:
                 continue  # provably no better
             candidate = self._two_stage(strategy, seq_lens)
+            self.planned_in_full += 1
             if best is None or candidate.est_ms < best.est_ms - 1e-9:
                 best = candidate
         assert best is not None  # the first usable strategy is always planned

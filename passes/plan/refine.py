@@ -21,7 +21,7 @@ from passes.plan.pool import fluid_scores
 
 __all__ = ["neighbours", "refine_strategy"]
 
-_MAX_SCHEMES = 3  # the fluid estimate splits a sorted batch into at most three segments
+_MAX_SCHEMES = 3  # mixes of at most three schemes: the fluid estimate's grid coarsens beyond three
 
 
 def neighbours(strategy: Strategy, schemes: Sequence[ParallelScheme], gpus_per_node: int) -> list[Strategy]:
