@@ -202,7 +202,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
     layout, executor = trainer.layout, trainer.executor
     probe = probe_links()
     links = Links(gpus_per_node=trainer.cost_model.gpus_per_node, intra_gbps=probe.gbps, inter_gbps=probe.gbps,
-                  latency_us=probe.latency_us)
+                  latency_us=probe.latency_us, fresh_gbps=probe.fresh_gbps)
     parsed = [Strategy.parse(s) for s in strategies]
     compute = compute_layout(trainer.lowerings, layout, sorted({s for p in parsed for s in p.schemes}))
     rows = []
@@ -301,7 +301,8 @@ def movement_times(rows: list[dict]) -> list[dict]:
 def format_movement(summary: dict) -> str:
     """The time table: per strategy, predicted against measured."""
     links = summary["links"]
-    lines = [f"links probed: {links['gbps']:.3f} GB/s one way, {links['latency_us']:.0f} us per message",
+    lines = [f"links probed: {links['gbps']:.3f} GB/s one way, {links['latency_us']:.0f} us per message, new "
+             f"memory written at {links['fresh_gbps']:.3f} GB/s",
              f"{'strategy':<13}{'pull pred':>10}{'meas':>8}{'push pred':>10}{'meas':>8}{'move pred':>10}"
              f"{'meas':>8}{'pred/meas':>10}"]
     for m in summary["movement_time"]:

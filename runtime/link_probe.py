@@ -1,11 +1,13 @@
 """What a message between two ranks of this job costs, measured with the movement's own pattern.
 
-Owns :func:`probe_links` (collective): every rank sends a message of n bytes to rank + d and receives one
-from rank - d at once, for every d, as ``runtime.redistribute`` moves parameters and gradients, timed per
-round for a few sizes; a least-squares line ``round = latency + n / bandwidth`` over the sizes gives the
-latency per message and the bandwidth one way. The busiest rank's time counts (a round ends when its slowest
-pair does). What it measures is whatever the backend uses between these ranks: gloo over local sockets on a
-CPU machine, NCCL over NVLink between the GPUs of one node.
+Owns :func:`probe_links` (collective): every rank sends a message of n bytes to rank + d and receives one from
+rank - d at once, for every d, as ``runtime.redistribute`` moves parameters and gradients, timed per round for a
+few sizes; a least-squares line ``round = latency + n / bandwidth`` over the sizes gives the latency per message
+and the bandwidth one way. The busiest rank's time counts (a round ends when its slowest pair does). It also
+times how fast every rank at once writes freshly allocated memory (a zeroed buffer of the largest size): the
+movement phases' own buffers (the compute copy, its gradient, the receive chunks) are new each step, and on a
+CPU their first touch costs about as much as the transfer. What it measures is whatever the backend uses between
+these ranks: gloo over local sockets on a CPU machine, NCCL over NVLink between the GPUs of one node.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class LinkProbe:
     """Bandwidth one way, GB/s (10^9 bytes per second)."""
     latency_us: float
     """Start-up of one message, microseconds (0 when the fit's intercept is negative)."""
+    fresh_gbps: float
+    """GB/s at which every rank at once writes newly allocated memory (the busiest rank's median)."""
     round_ms: tuple[tuple[int, float], ...]
     """(message bytes, median ms of one round on the busiest rank) per size."""
 
     def to_dict(self) -> dict:
-        return {"gbps": self.gbps, "latency_us": self.latency_us,
+        return {"gbps": self.gbps, "latency_us": self.latency_us, "fresh_gbps": self.fresh_gbps,
                 "round_ms": [[n, round(ms, 4)] for n, ms in self.round_ms]}
 
 
@@ -67,10 +71,26 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
                 times.append(elapsed)
         busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
         rows.append((nbytes, float(busiest.item())))
+    fresh = _fresh_write_ms(max(sizes), repeats, device)
     n = np.array([r[0] for r in rows], dtype=np.float64)
     ms = np.array([r[1] for r in rows])
     slope, intercept = np.polyfit(n, ms, 1)
     if slope <= 0:
         raise RuntimeError(f"the round times {rows} do not grow with the message size: no bandwidth to fit")
     return LinkProbe(gbps=float(1 / (slope * 1e6)), latency_us=max(0.0, float(intercept) * 1e3),
-                     round_ms=tuple(rows))
+                     fresh_gbps=max(sizes) / (fresh * 1e6), round_ms=tuple(rows))
+
+
+def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
+    """The busiest rank's median ms to allocate and zero ``nbytes``, every rank at once."""
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        started = time.perf_counter()
+        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+        del buffer
+    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
+    return float(busiest.item())

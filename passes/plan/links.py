@@ -31,6 +31,9 @@ class Links:
     """GB/s one direction from a GPU to one of another node (its network port)."""
     latency_us: float
     """Start-up of one message, microseconds."""
+    fresh_gbps: float | None = None
+    """GB/s at which a rank writes newly allocated memory (the movement phases' buffers are new each step);
+    None: not counted (on GPUs the caching allocator reuses them and HBM writes them in microseconds)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -42,6 +45,14 @@ class Links:
         value = self.latency_us
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise PlanError(f"latency_us must be a finite number >= 0, got {value!r}")
+        value = self.fresh_gbps
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise PlanError(f"fresh_gbps must be None or a finite number > 0 (GB/s), got {value!r}")
+
+    def fresh_ms(self, nbytes: float) -> float:
+        """Milliseconds to write ``nbytes`` of newly allocated memory (0 when not counted)."""
+        return 0.0 if self.fresh_gbps is None else nbytes / (self.fresh_gbps * 1e6)
 
     def message_ms(self, nbytes: float, same_node: bool, messages: int = 1) -> float:
         """Milliseconds to send ``nbytes`` in ``messages`` messages over the link between two ranks."""
@@ -50,8 +61,9 @@ class Links:
 
     def to_dict(self) -> dict:
         """The JSON form (a profile's ``hardware`` entries)."""
-        return {"gpus_per_node": self.gpus_per_node, "intra_gbps": self.intra_gbps, "inter_gbps": self.inter_gbps,
-                "latency_us": self.latency_us}
+        out = {"gpus_per_node": self.gpus_per_node, "intra_gbps": self.intra_gbps, "inter_gbps": self.inter_gbps,
+               "latency_us": self.latency_us}
+        return out if self.fresh_gbps is None else {**out, "fresh_gbps": self.fresh_gbps}
 
 
 _HDR_GBPS = 200 / 8

@@ -204,12 +204,19 @@ class MovementTime:
 
 
 def _rounds_ms(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes: int, chunk_numel: int) -> float:
+    """When the last rank finishes the rounds (see :func:`_rounds_ready`)."""
+    return float(_rounds_ready(sends, node, links, elem_bytes, chunk_numel).max())
+
+
+def _rounds_ready(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes: int,
+                  chunk_numel: int) -> np.ndarray:
     """The runtime's rounds of pairs with ``sends[a, b]`` elements from a to b: round d pairs r -> r + d, a
     message starts when both ends have finished round d - 1 (an empty one is not sent) and takes a latency
-    per chunk plus its bytes over its link; a rank finishes a round with its send and its receive."""
+    per chunk plus its bytes over its link; a rank finishes a round with its send and its receive. Per rank,
+    when it finishes the last round (ms)."""
     world = sends.shape[0]
     if world < 2:
-        return 0.0
+        return np.zeros(world)
     rank = np.arange(world)
     shift = np.arange(1, world)[:, None]
     dst = (rank + shift) % world  # [d - 1, r]: whom r sends to in round d
@@ -222,20 +229,28 @@ def _rounds_ms(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes: in
     for d in range(world - 1):
         end = np.maximum(ready, ready[dst[d]]) + cost[d]
         ready = np.maximum(ready, np.maximum(end, end[src[d]]))
-    return float(ready.max())
+    return ready
 
 
 def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, param_bytes: int = 2,
                   reduce_bytes: int = 4, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
                   columns: dict[tuple[Place, int], np.ndarray] | None = None) -> MovementTime:
-    """The pull and push of ``strategy`` on ``links`` (ranks ``n * gpus_per_node ..`` on node n)."""
+    """The pull and push of ``strategy`` on ``links`` (ranks ``n * gpus_per_node ..`` on node n). With
+    ``links.fresh_gbps``, each rank also writes its phases' new buffers at that rate: in the pull its compute
+    copy and the zeroed gradient buffer (in the compute dtype), in the push the zeroed fp32 shard gradient and
+    the chunks it receives."""
     if chunk_numel < 1:
         raise PlanError(f"chunk_numel must be positive, got {chunk_numel!r}")
     elements = pair_elements(layout, strategy, links.gpus_per_node, columns)
+    needs = elements.sum(axis=0)
     np.fill_diagonal(elements, 0)
+    served = elements.sum(axis=1)
     node = np.arange(elements.shape[0]) // links.gpus_per_node
-    return MovementTime(pull_ms=_rounds_ms(elements, node, links, param_bytes, chunk_numel),
-                        push_ms=_rounds_ms(elements.T, node, links, reduce_bytes, chunk_numel))
+    shard = -(-layout.numel // max(1, elements.shape[0]))
+    pull = _rounds_ready(elements, node, links, param_bytes, chunk_numel) + links.fresh_ms(1) * 2 * needs * param_bytes
+    push = (_rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
+            + links.fresh_ms(1) * (4 * shard + served * reduce_bytes))
+    return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)))
 
 
 class MovementCost:
