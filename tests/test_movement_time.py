@@ -76,6 +76,11 @@ def test_two_ranks_by_hand():
     chunked = movement_time(layout, strategy, Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=1000),
                             chunk_numel=10**8)  # ten chunks of a millisecond's start-up each
     assert chunked.pull_ms == pytest.approx(2000.0 + 10.0)
+    # new buffers at 1 GB/s: the pull writes the 2e9-element compute copy and its gradient buffer in bf16 (8 GB),
+    # the push the fp32 shard gradient (4 GB) and the 1e9 fp32 gradients it receives (4 GB)
+    fresh = movement_time(layout, strategy, Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=0,
+                                                   fresh_gbps=1), chunk_numel=1 << 40)
+    assert (fresh.pull_ms, fresh.push_ms) == pytest.approx((2000.0 + 8000.0, 4000.0 + 8000.0))
 
 
 def _llama(schemes):
