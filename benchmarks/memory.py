@@ -15,6 +15,14 @@ per rank:
 
 "before" is the previous runtime's movement re-enacted on the same layout by the same meters: every rank
 all-gathers the whole fp32 vector, copies its slices from it, and all-reduces a full-size gradient buffer.
+
+Time of the movement, predicted against measured, per strategy: the links between these ranks are probed first
+(``runtime.link_probe``: the movement's rounds of pairs for a few message sizes, a latency and a bandwidth
+fitted), the planner replays the strategy's rounds on them (``passes.plan.movement.movement_time``, from the
+layout the lowerings give), and three more steps are timed with a barrier before the pull and before the push:
+measured pull is from the barrier until the last rank starts computing, measured push from the barrier until
+the last rank reaches its optimiser (medians of the three). ``pred_move_ms`` / ``measured_move_ms`` is their
+sum; the target is within 25%.
 Prints a table; ``--json`` prints one JSON object; every row is appended, stamped, to
 ``results/memory.jsonl``. ``--smoke``: a tiny model, two strategies (CI).
 """
@@ -23,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,6 +121,21 @@ class RankRow:
     before_received: int
     before_sent: int
     before_peak_movement: int
+    pred_pull_ms: float = 0.0
+    """The planner's pull time of the strategy on the probed links (the same on every rank's row)."""
+    pred_push_ms: float = 0.0
+    measured_pull_ms: float = 0.0
+    """Measured: from a barrier before the pull until the last rank starts computing."""
+    measured_push_ms: float = 0.0
+    """Measured: from a barrier before the push until the last rank reaches its optimiser."""
+
+    @property
+    def pred_move_ms(self) -> float:
+        return self.pred_pull_ms + self.pred_push_ms
+
+    @property
+    def measured_move_ms(self) -> float:
+        return self.measured_pull_ms + self.measured_push_ms
 
     @property
     def target_bytes(self) -> int:
@@ -123,11 +148,51 @@ def _batch(cfg: LlamaConfig, step: int) -> list[torch.Tensor]:
     return [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (24, 9, 31, 16, 12, 28, 5, 19)]
 
 
+TIMED_STEPS = 3
+"""Steps per strategy timed for the movement (their medians)."""
+
+
+class PhaseClock:
+    """A phase hook: a barrier before the pull and before the push, and this rank's clock as it enters the pull,
+    the compute, the push and the optimiser (``time.perf_counter``: one clock for every process here)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    def __call__(self, phase: str, step) -> None:
+        from runtime import distributed as comm
+
+        if phase in ("pull", "push"):
+            comm.barrier()
+        if phase in ("pull", "compute", "push", "optimizer"):
+            self.at[phase] = time.perf_counter()
+
+
+def _timed_movement(trainer, cfg: LlamaConfig, strategy: str, first_batch: int) -> tuple[float, float]:
+    """Median over ``TIMED_STEPS`` steps of the measured pull and push (ms), every rank's clocks gathered."""
+    from runtime import distributed as comm
+
+    pulls, pushes = [], []
+    for k in range(TIMED_STEPS):
+        clock = PhaseClock()
+        trainer.executor.hooks.insert(0, clock)
+        trainer.train_step(_batch(cfg, first_batch + k), strategy=strategy)
+        trainer.executor.hooks.remove(clock)
+        every = comm.all_gather_object(clock.at)
+        pulls.append(1e3 * (max(a["compute"] for a in every) - min(a["pull"] for a in every)))
+        pushes.append(1e3 * (max(a["optimizer"] for a in every) - min(a["push"] for a in every)))
+    return statistics.median(pulls), statistics.median(pushes)
+
+
 def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) -> list[dict]:
     import hcompile
+    from hcompile.cost import compute_layout
     from hcompile.models import Llama
     from passes.graph.variant import TokenBuckets
     from passes.plan.ir import Strategy
+    from passes.plan.links import Links
+    from passes.plan.movement import movement_time
+    from runtime.link_probe import probe_links
 
     with hcompile.empty_init():
         model = Llama(cfg)
@@ -135,6 +200,11 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
         loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=list(strategies),
         tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02))
     layout, executor = trainer.layout, trainer.executor
+    probe = probe_links()
+    links = Links(gpus_per_node=trainer.cost_model.gpus_per_node, intra_gbps=probe.gbps, inter_gbps=probe.gbps,
+                  latency_us=probe.latency_us, fresh_gbps=probe.fresh_gbps)
+    parsed = [Strategy.parse(s) for s in strategies]
+    compute = compute_layout(trainer.lowerings, layout, sorted({s for p in parsed for s in p.schemes}))
     rows = []
     for i, strategy in enumerate(strategies):
         trainer.train_step(_batch(cfg, 2 * i), strategy=strategy)  # compiles what the strategy needs
@@ -148,13 +218,19 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
         size = layout.shard.element_size()
         owned = move.numel - move.local_numel
         before = _full_vector_movement(layout, move)
-        rows.append(asdict(RankRow(
+        predicted = movement_time(compute, Strategy.parse(strategy), links, param_bytes=size, reduce_bytes=4,
+                                  chunk_numel=executor.chunk_numel)
+        measured_pull, measured_push = _timed_movement(trainer, cfg, strategy, first_batch=100 + 10 * i)
+        row = RankRow(
             strategy=strategy, rank=rank, slice_bytes=move.numel * size, shard_bytes=2 * layout.shard_numel * 4,
             received=stats.traffic.params_received + stats.traffic.grads_received,
             sent=stats.traffic.params_sent + stats.traffic.grads_sent,
             ideal_received=(owned + move.served_numel()) * size, ideal_sent=(move.served_numel() + owned) * size,
             peak_movement=meter.movement_peak(), peak_step=max(meter.peaks.values()),
-            **before)))
+            pred_pull_ms=predicted.pull_ms, pred_push_ms=predicted.push_ms, measured_pull_ms=measured_pull,
+            measured_push_ms=measured_push, **before)
+        rows.append({**asdict(row), "pred_move_ms": row.pred_move_ms, "measured_move_ms": row.measured_move_ms,
+                     "links": probe.to_dict()})
     return rows
 
 
@@ -211,6 +287,31 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def movement_times(rows: list[dict]) -> list[dict]:
+    """Per strategy: the predicted and measured movement (ms) and their ratio."""
+    out = []
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        r = next(x for x in rows if x["strategy"] == strategy)
+        out.append({"strategy": strategy, **{k: round(r[k], 2) for k in (
+            "pred_pull_ms", "measured_pull_ms", "pred_push_ms", "measured_push_ms", "pred_move_ms",
+            "measured_move_ms")}, "pred_over_measured": round(r["pred_move_ms"] / r["measured_move_ms"], 3)})
+    return out
+
+
+def format_movement(summary: dict) -> str:
+    """The time table: per strategy, predicted against measured."""
+    links = summary["links"]
+    lines = [f"links probed: {links['gbps']:.3f} GB/s one way, {links['latency_us']:.0f} us per message, new "
+             f"memory written at {links['fresh_gbps']:.3f} GB/s",
+             f"{'strategy':<13}{'pull pred':>10}{'meas':>8}{'push pred':>10}{'meas':>8}{'move pred':>10}"
+             f"{'meas':>8}{'pred/meas':>10}"]
+    for m in summary["movement_time"]:
+        lines.append(f"{m['strategy']:<13}{m['pred_pull_ms']:>10.1f}{m['measured_pull_ms']:>8.1f}"
+                     f"{m['pred_push_ms']:>10.1f}{m['measured_push_ms']:>8.1f}{m['pred_move_ms']:>10.1f}"
+                     f"{m['measured_move_ms']:>8.1f}{m['pred_over_measured']:>10.3f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny model and two strategies (seconds)")
@@ -232,12 +333,14 @@ def main(argv: list[str] | None = None) -> int:
                "max_moved_over_ideal": max(max(r["received"] / max(1, r["ideal_received"]),
                                                r["sent"] / max(1, r["ideal_sent"])) for r in rows),
                "max_peak_over_target": max(r["peak_movement"] / (int(3 * r["slice_bytes"]) + r["shard_bytes"])
-                                           for r in rows)}
+                                           for r in rows),
+               "links": rows[0]["links"], "movement_time": movement_times(rows)}
+    summary["max_move_error"] = max(abs(m["pred_over_measured"] - 1) for m in summary["movement_time"])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "memory.jsonl", "a") as f:
         stamp = {k: summary[k] for k in ("benchmark", "commit", "device", "smoke", "model")}
         for row in rows:
-            f.write(json.dumps({**stamp, **row}) + "\n")
+            f.write(json.dumps({**stamp, **{k: v for k, v in row.items() if k != "links"}}) + "\n")
     if args.json:
         print(json.dumps(summary))
     else:
@@ -245,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{params / 1e6:.1f}M parameters; moved/ideal at most {summary['max_moved_over_ideal']:.3f} "
               f"(target 1.1); peak of the movement phases over 1.5 x slices + shard at most "
               f"{summary['max_peak_over_target']:.3f} (target 1.0)")
+        print(format_movement(summary))
+        print(f"movement time, predicted over measured: at most {summary['max_move_error']:.1%} off (target 25%)")
     return 0
 
 

@@ -3,9 +3,13 @@
     python -m benchmarks.planner            # 32B/64 GPUs on commoncrawl and github, 13B/32 GPUs on github,
                                             # 32B/1024 GPUs; table, JSON lines and PNG plots under results/
     python -m benchmarks.planner --smoke    # one small case (what CI runs)
+    python -m benchmarks.planner --movement charged   # only with movement charged (default: both, side by side)
 
 Step times are the cost model's estimates (measured A800 profiles), not wall clock; solve times are the
-planner's own wall-clock time on this machine.
+planner's own wall-clock time on this machine. Each setting runs twice: movement ``ignored`` (compute only,
+as the planner was before it counted movement; the movement of the chosen strategies still reported) and
+``charged`` (every policy's estimate is compute plus the exposed parameter and gradient movement of its
+strategy on the A800 preset's links, and strategies are chosen by that sum).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.provenance import commit
@@ -38,7 +43,8 @@ def _device() -> str:
 
 
 def _label(job: PlanJob) -> str:
-    return f"{job.model}/{job.gpus}gpu/{job.dataset}/{job.global_tokens // 1000}K"
+    return (f"{job.model}/{job.gpus}gpu/{job.dataset}/{job.global_tokens // 1000}K/"
+            f"movement {'charged' if job.charge_movement else 'ignored'}")
 
 
 def _plot(reports: list[tuple[PlanReport, list[StepPlan]]], path: Path) -> None:
@@ -120,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one small case, for CI")
     parser.add_argument("--out", default="results", help="folder for planner.jsonl and planner.png")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--movement", choices=("both", "charged", "ignored"), default="both",
+                        help="run each setting with movement ignored, charged, or both (default)")
     args = parser.parse_args(argv)
-    run(SMOKE if args.smoke else SETTINGS, Path(args.out), plot=not args.no_plot)
+    modes = {"both": (False, True), "charged": (True,), "ignored": (False,)}[args.movement]
+    jobs = [replace(job, charge_movement=charged) for job in (SMOKE if args.smoke else SETTINGS) for charged in modes]
+    run(jobs, Path(args.out), plot=not args.no_plot)
     return 0
 
 

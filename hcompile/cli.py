@@ -49,6 +49,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="whose memory bounds the micro-batches: hcompile (this runtime: states sharded over all GPUs, "
                         "compute copies, transfer chunks; the optimiser layout only sets the GPU count) or paper "
                         "(the profiled runtime's, sharded by the layout) (default hcompile)")
+    p.add_argument("--movement", choices=("charged", "ignored"), default="charged",
+                   help="charged: estimates include each strategy's exposed parameter and gradient movement and "
+                        "strategies are chosen by it; ignored: compute only, the movement still reported "
+                        "(default charged)")
     p.add_argument("--plans-out", help="write one JSON line per (step, policy) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -96,7 +100,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                   global_tokens=args.global_tokens, steps=args.steps, seed=args.seed,
                   policies=tuple(args.policies or POLICIES), lengths_file=args.lengths_file,
                   optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
-                  memory_model=args.memory_model)
+                  memory_model=args.memory_model, charge_movement=args.movement == "charged")
     report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)
     if args.json:
         print(json.dumps(report.to_json()))

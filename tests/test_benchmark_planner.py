@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks.planner import main
 
 
@@ -9,11 +11,16 @@ def test_smoke_writes_stamped_json_and_plot(tmp_path, capsys):
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "hydraulis pool:" in out and "paper case-study pool" in out
-    (line,) = (tmp_path / "planner.jsonl").read_text().splitlines()
-    record = json.loads(line)
-    for key in ("commit", "device", "config", "pool", "lower_bound_ms_mean", "policies"):
-        assert key in record
-    assert record["policies"]["hydraulis"]["est_step_ms_mean"] <= record["policies"]["homogeneous-token"][
-        "est_step_ms_mean"]
+    ignored, charged = (json.loads(line) for line in (tmp_path / "planner.jsonl").read_text().splitlines())
+    for record in (ignored, charged):
+        for key in ("commit", "device", "config", "pool", "lower_bound_ms_mean", "policies", "movement"):
+            assert key in record
+        assert record["policies"]["hydraulis"]["est_step_ms_mean"] <= record["policies"]["homogeneous-token"][
+            "est_step_ms_mean"]
+    assert ignored["config"].endswith("movement ignored") and charged["config"].endswith("movement charged")
+    assert (ignored["movement"]["charged"], charged["movement"]["charged"]) == (False, True)
+    fixed = [r["policies"]["homogeneous-token"] for r in (ignored, charged)]  # the same strategy and batches
+    assert fixed[1]["est_step_ms_mean"] == pytest.approx(fixed[0]["est_step_ms_mean"] + fixed[0]["est_comm_ms_mean"],
+                                                         abs=2e-3)
     png = (tmp_path / "planner.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -18,12 +18,17 @@ def test_json_summary_has_every_field(capsys):
                 "max_tokens", "pool", "lower_bound_ms_mean", "policies", "per_step"):
         assert key in out
     assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 41728
+    assert out["movement"] == {"charged": True, "param_bytes": 2, "reduce_bytes": 4,
+                               "floor_ms": out["movement"]["floor_ms"],
+                               "links": {"gpus_per_node": 8, "intra_gbps": 200.0, "inter_gbps": 25.0,
+                                         "latency_us": 10.0}}
     assert set(out["policies"]) == {"padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step",
                                     "hydraulis"}
     for numbers in out["policies"].values():
         assert set(numbers) == {"est_step_ms_mean", "tokens_per_s", "solve_ms_p50", "solve_ms_p95", "vs_bound",
-                                "costliest", "bytes_per_rank_max"}
+                                "costliest", "bytes_per_rank_max", "est_comm_ms_mean"}
         assert numbers["est_step_ms_mean"] >= out["lower_bound_ms_mean"] * (1 - 1e-9)
+        assert 0 < numbers["est_comm_ms_mean"] < numbers["est_step_ms_mean"]
         assert set(numbers["vs_bound"]) == {"mean", "p50", "p90", "max"} and numbers["vs_bound"]["p50"] >= 1
         assert sum(numbers["costliest"].values()) == 2
     assert out["steps"] == 2 and [s["step"] for s in out["per_step"]] == [0, 1]
@@ -31,12 +36,28 @@ def test_json_summary_has_every_field(capsys):
     assert fixed == _busiest(out["fixed_strategy"])
     for step in out["per_step"]:
         assert set(step["bounds"]) == {"area", "latency", "pipeline", "long", "binding"}
-        assert step["lower_bound_ms"] == max(v for k, v in step["bounds"].items() if k != "binding")
+        compute = max(v for k, v in step["bounds"].items() if k != "binding")
+        assert step["lower_bound_ms"] == pytest.approx(compute + step["movement_floor_ms"], abs=2e-3)
         for d in step["policies"].values():
-            assert set(d) == {"est_step_ms", "vs_bound", "gap_ms", "unavoidable_ms", "costliest", "replicas"}
-            assert set(d["gap_ms"]) == {"strategy", "dispatch", "packing"}
+            assert set(d) == {"est_step_ms", "est_move_ms", "vs_bound", "gap_ms", "unavoidable_ms", "costliest",
+                              "replicas"}
+            assert set(d["gap_ms"]) == {"strategy", "dispatch", "packing", "movement"}
+            assert d["est_move_ms"] >= step["movement_floor_ms"] - 1e-3
             assert min(r["slack_ms"] for r in d["replicas"]) == 0
             assert d["unavoidable_ms"] >= 0 and d["costliest"] in d["gap_ms"]
+
+
+def test_movement_ignored_estimates_compute_only(capsys):
+    assert main(["plan", *FAST, "--json", "--movement", "ignored", "--policy", "homogeneous-token"]) == 0
+    blind = json.loads(capsys.readouterr().out)
+    assert main(["plan", *FAST, "--json", "--policy", "homogeneous-token"]) == 0
+    charged = json.loads(capsys.readouterr().out)
+    assert blind["movement"]["charged"] is False and charged["movement"]["charged"] is True
+    a, b = blind["policies"]["homogeneous-token"], charged["policies"]["homogeneous-token"]
+    assert a["est_comm_ms_mean"] == b["est_comm_ms_mean"] > 0  # the fixed strategy moves the same either way
+    assert b["est_step_ms_mean"] == pytest.approx(a["est_step_ms_mean"] + a["est_comm_ms_mean"], abs=2e-3)
+    assert charged["lower_bound_ms_mean"] == pytest.approx(blind["lower_bound_ms_mean"]
+                                                           + charged["movement"]["floor_ms"], abs=2e-3)
 
 
 def _busiest(strategy: str) -> int:
@@ -86,7 +107,7 @@ def test_table_and_plans_out(tmp_path, capsys):
         (0, "hydraulis"), (0, "homogeneous-token"), (1, "hydraulis"), (1, "homogeneous-token")]
     for d in lines:
         assert set(d) == {"step", "policy", "strategy", "num_gpus", "seq_lens", "replicas", "est_step_ms",
-                          "lower_bound_ms", "solve_ms", "diagnosis"}
+                          "est_move_ms", "lower_bound_ms", "solve_ms", "diagnosis"}
         assert len(d["diagnosis"]["replicas"]) == len(d["replicas"])
         assert d["diagnosis"]["lower_bound_ms"] == d["lower_bound_ms"]
         assert sum(d["seq_lens"]) == 40000

@@ -112,7 +112,7 @@ def test_step_plan_json_fields():
                     est_step_ms=1.5, lower_bound_ms=1.0, solve_ms=0.1)
     d = plan.to_dict(step=3)
     assert list(d) == ["step", "policy", "strategy", "num_gpus", "seq_lens", "replicas", "est_step_ms",
-                       "lower_bound_ms", "solve_ms"]
+                       "est_move_ms", "lower_bound_ms", "solve_ms"]
     assert d["replicas"][0] == {"tp": 2, "pp": 1, "cp": 1, "ranks": [0, 1], "max_tokens": 16,
                                 "micro_batches": [[0, 1]], "est_ms": 1.5}
     with pytest.raises(PlanError, match="needs 2 ranks, got 1"):

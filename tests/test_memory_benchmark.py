@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.memory import main
 
 
@@ -21,6 +23,15 @@ def test_smoke_meets_the_targets_and_writes_stamped_lines(tmp_path, capsys):
         if r["strategy"] == "1x(tp2,pp2)":  # a quarter of the model: the full-vector movement received far more
             assert r["received"] < r["before_received"] / 2 and r["peak_movement"] < r["before_peak_movement"]
     assert summary["max_moved_over_ideal"] <= 1.1 and summary["max_peak_over_target"] <= 1.0
+    # movement time: predicted from the probed links, measured around the phases (the 25% target is the full
+    # benchmark's: this tiny model's messages are a few kB, all start-up)
+    assert summary["links"]["gbps"] > 0
+    assert [m["strategy"] for m in summary["movement_time"]] == ["4x(tp1)", "1x(tp2,pp2)"]
+    for m in summary["movement_time"]:
+        assert m["pred_move_ms"] > 0 and m["measured_move_ms"] > 0
+        assert m["pred_over_measured"] == pytest.approx(m["pred_move_ms"] / m["measured_move_ms"], rel=1e-2)
+    for r in rows:
+        assert r["pred_move_ms"] == pytest.approx(r["pred_pull_ms"] + r["pred_push_ms"])
     lines = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
     assert len(lines) == len(rows) and all({"commit", "device", "model", "strategy"} <= set(x) for x in lines)
 

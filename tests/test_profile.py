@@ -60,6 +60,11 @@ def test_smoke_profile_is_accepted_by_plan(tmp_path, capsys):
     assert any(m["held_out"] for m in data["measurements"])
     profile = load_profile_file(out)
     assert profile.layers == 2 and profile.hidden == 32
+    probe = data["link_probe"]  # gloo between local processes: one node, the same links both ways
+    assert profile.links is not None and profile.links.intra_gbps == profile.links.inter_gbps > 0
+    assert profile.links.intra_gbps == pytest.approx(probe["gbps"], rel=1e-3)
+    sizes = [n for n, _ in probe["round_ms"]]
+    assert sizes == sorted(sizes) and len(sizes) >= 2 and all(ms > 0 for _, ms in probe["round_ms"])
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in [60, 12, 40, 128, 7, 33]) + "\n")
     capsys.readouterr()
@@ -67,3 +72,5 @@ def test_smoke_profile_is_accepted_by_plan(tmp_path, capsys):
                  "--global-tokens", "200", "--steps", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["policies"]) >= {"hydraulis", "homogeneous-token"}
+    assert report["movement"]["links"]["intra_gbps"] == profile.links.intra_gbps  # the measured links charged
+    assert all(p["est_comm_ms_mean"] > 0 for p in report["policies"].values())

@@ -9,7 +9,11 @@ median of repeats taken round-robin over the sweep, fits ``T = a*sum s^2 + b*sum
 squares on relative error with non-negative coefficients, reports R^2 on the fitted packs and the mean
 absolute percentage error on held-out packs of other lengths, measures the activation bytes each token keeps
 for backward, and writes a profile JSON in the presets' format (``passes.plan.cost_model.Profile.from_dict``)
-whose memory constants make the longest micro-batch of tp = 1 equal the per-rank token cap.
+whose memory constants make the longest micro-batch of tp = 1 equal the per-rank token cap. It also probes
+the links between local ranks (``runtime.link_probe``: gloo between processes on the CPU, NCCL between the
+node's GPUs on CUDA) into the profile's ``hardware`` entry (``intra_gbps``, ``inter_gbps``, ``latency_us``),
+which ``hcompile plan --profile`` charges parameter and gradient movement with; between nodes it writes the
+GPU preset's network on CUDA and, on one CPU machine, the probed figure.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import itertools
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +33,7 @@ from hcompile.tools.progress import progress_bar
 from passes.graph.variant import TokenBuckets
 from passes.plan.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_for, state_bytes
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from runtime.link_probe import LinkProbe
 
 __all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
            "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile"]
@@ -294,6 +300,10 @@ class ProfileReport:
     device: str = field(default_factory=lambda: f"cpu ({platform.processor() or platform.machine()}), "
                                                 f"torch {torch.__version__}, 1 thread per rank")
     """What was measured."""
+    links: LinkProbe | None = None
+    """The links between the profiling ranks (``runtime.link_probe``); None when fewer than two could run."""
+    network_gbps: float | None = None
+    """GB/s between nodes, which one machine cannot measure: the GPU preset's on CUDA, else the probed links'."""
 
     def profile(self) -> Profile:
         """The preset-format profile this report writes (``to_json``), parsed back."""
@@ -314,9 +324,12 @@ class ProfileReport:
 
     def _dict(self, memory: dict, bound_mib: float) -> dict:
         cfg = CPU_MODELS[self.job.model]
+        links = {} if self.links is None else {
+            "intra_gbps": round(self.links.gbps, 4), "latency_us": round(self.links.latency_us, 2),
+            "inter_gbps": round(self.network_gbps or self.links.gbps, 4)}
         return {
             "hardware": {"name": self.job.device, "gpu": self.device, "gpus_per_node": self.job.gpus,
-                         "memory_bound_mib": bound_mib, "reserved_mib_per_gpu": 0.0},
+                         "memory_bound_mib": bound_mib, "reserved_mib_per_gpu": 0.0, **links},
             "optimizer_shardable_fraction": SHARDABLE_FRACTION,
             "source": f"hcompile profile on this machine: "
                       f"{'CUDA-event' if self.job.device == 'cuda' else 'thread CPU'} time of forward+backward of "
@@ -341,6 +354,8 @@ class ProfileReport:
         data["measurements"] = [{"tp": f.scheme.tp, "seq_lens": list(lens), "ms": round(ms, 3), "held_out": h}
                                 for f in self.fits for lens, ms, h in f.points]
         data["wall_s"] = round(self.wall_s, 1)
+        if self.links is not None:
+            data["link_probe"] = self.links.to_dict()
         return data
 
     def layout(self) -> Strategy:
@@ -373,8 +388,38 @@ def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
         fits.append(_fit_scheme(tp, packs, ms, act))
     device = (f"cuda ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, bf16" if job.device == "cuda"
               else ProfileReport.__dataclass_fields__["device"].default_factory())
+    links, network = _probe(job, show_progress)
     return ProfileReport(job=job, fits=tuple(fits), params_per_layer=_params_per_layer(job.model),
-                         wall_s=time.perf_counter() - started, device=device)
+                         wall_s=time.perf_counter() - started, device=device, links=links, network_gbps=network)
+
+
+def _probe_rank(rank: int, world: int, device_type: str) -> LinkProbe:
+    from runtime import distributed as comm
+    from runtime.link_probe import probe_links
+
+    return probe_links(device=comm.group_device() if device_type == "cuda" else "cpu")
+
+
+def _probe(job: ProfileJob, show_progress: bool) -> tuple[LinkProbe | None, float | None]:
+    """The links between ``max(2, largest tp)`` local ranks (the GPUs of this node on CUDA), and the network's
+    GB/s: the GPU preset's on CUDA (one node cannot measure it), the probed links' on the CPU (one machine)."""
+    from hcompile.tools.spawn import run_local_ranks
+
+    world = max(2, *job.tps)
+    if job.device == "cuda" and torch.cuda.device_count() < world:
+        return None, None
+    if show_progress:
+        print(f"probing the links between {world} local ranks", file=sys.stderr)
+    probe = run_local_ranks(world, _probe_rank, job.device, timeout_s=job.timeout_s,
+                            dist_backend="nccl" if job.device == "cuda" else "gloo")[0]
+    if job.device != "cuda":
+        return probe, None
+    from passes.graph.hardware import hardware_for_device
+
+    try:
+        return probe, hardware_for_device(torch.cuda.get_device_name(0)).network_gbps
+    except ValueError:
+        return probe, None
 
 
 def cost_model_from_profile(profile: Profile, tokens_per_rank: int, schemes: list[ParallelScheme] | None = None,
@@ -400,6 +445,10 @@ def format_profile(report: ProfileReport, out: str | None = None) -> str:
     lines.append(f"memory budget {data['hardware']['memory_bound_mib']:.1f} MiB per rank "
                  f"(tp=1 holds {report.job.tokens_per_rank} tokens; longest micro-batches under the optimiser layout "
                  f"{report.layout().describe()})")
+    if report.links is not None:
+        hw = data["hardware"]
+        lines.append(f"links: {hw['intra_gbps']:g} GB/s one way between local ranks, {hw['latency_us']:.0f} us per "
+                     f"message; {hw['inter_gbps']:g} GB/s between nodes")
     if out:
         lines.append(f"wrote {out}")
     return "\n".join(lines)

@@ -25,9 +25,10 @@ from passes.plan.cost_model import (
     load_profile_file,
 )
 from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
-from passes.plan.diagnose import StepDiagnosis, diagnose
+from passes.plan.diagnose import PARTS, StepDiagnosis, diagnose
 from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
-from passes.plan.movement import llama_compute_layout, movement_bytes
+from passes.plan.links import link_preset
+from passes.plan.movement import MovementCost, llama_compute_layout, movement_bytes
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 
@@ -68,6 +69,9 @@ class PlanJob:
     memory_model: str = "hcompile"
     """Whose memory the schemes' longest micro-batches are computed for: ``hcompile`` (this project's runtime:
     states sharded over all GPUs, compute copies, transfer chunks) or ``paper`` (the profiled runtime)."""
+    charge_movement: bool = True
+    """Whether estimates include the exposed parameter and gradient movement and strategies are chosen by it
+    (counted either way when the profile gives the model's heads and FFN width)."""
 
     def __post_init__(self) -> None:
         if self.memory_model not in MEMORY_MODELS:
@@ -100,6 +104,8 @@ class PolicyResult:
     moved_bytes: tuple[int, ...] = ()
     """Per step, the busiest rank's parameter and gradient bytes (received and sent) under this runtime's fixed
     layout (``passes.plan.movement``); empty when the profile does not give the model's heads and FFN width."""
+    move_ms: tuple[float, ...] = ()
+    """Per step, the exposed movement of the step's strategy (in ``est_step_ms`` when the job charges it)."""
 
     @property
     def est_step_ms_mean(self) -> float:
@@ -112,8 +118,8 @@ class PolicyResult:
                 "p90": float(np.percentile(ratios, 90)), "max": float(ratios.max())}
 
     def costliest(self) -> dict[str, int]:
-        """Over the steps: how often each of strategy, dispatch and packing cost the most."""
-        out = {"strategy": 0, "dispatch": 0, "packing": 0}
+        """Over the steps: how often each of strategy, dispatch, packing and movement cost the most."""
+        out = dict.fromkeys(PARTS, 0)
         for d in self.diagnoses:
             out[d.costliest] += 1
         return out
@@ -143,6 +149,10 @@ class PlanReport:
     """The cost model the estimates come from."""
     results: dict[str, PolicyResult] = field(default_factory=dict)
     """Per policy."""
+    movement: MovementCost | None = None
+    """The movement count and its links; None when the profile does not give the model's heads and FFN width."""
+    movement_floor_ms: float = 0.0
+    """Movement no strategy avoids, in every step's bound when the job charges movement."""
 
     def to_json(self) -> dict:
         """The ``--json`` object."""
@@ -159,9 +169,14 @@ class PlanReport:
             "pool": [s.describe() for s in self.pool],
             "fixed_strategy": self.fixed.describe(),
             "lower_bound_ms_mean": round(float(np.mean(self.lower_bound_ms)), 3),
+            "movement": None if self.movement is None else {
+                "charged": self.job.charge_movement, "links": self.movement.links.to_dict(),
+                "param_bytes": self.movement.param_bytes, "reduce_bytes": self.movement.reduce_bytes,
+                "floor_ms": round(self.movement_floor_ms, 3)},
             "policies": {
                 name: {
                     "est_step_ms_mean": round(r.est_step_ms_mean, 3),
+                    **({"est_comm_ms_mean": round(float(np.mean(r.move_ms)), 3)} if r.move_ms else {}),
                     **({"bytes_per_rank_max": int(np.mean(r.moved_bytes))} if r.moved_bytes else {}),
                     "tokens_per_s": round(r.tokens_per_s, 3),
                     "solve_ms_p50": round(float(np.percentile(r.solve_ms, 50)), 3),
@@ -172,7 +187,8 @@ class PlanReport:
                 for name, r in self.results.items()
             },
             "per_step": [
-                {"step": i, "lower_bound_ms": round(b.best, 3), "bounds": {**b.to_dict(), "binding": b.binding},
+                {"step": i, "lower_bound_ms": round(b.best + self.movement_floor_ms, 3),
+                 "bounds": {**b.to_dict(), "binding": b.binding}, "movement_floor_ms": round(self.movement_floor_ms, 3),
                  "policies": {name: _without_bounds(r.diagnoses[i].to_dict()) for name, r in self.results.items()}}
                 for i, b in enumerate(self.bounds)
             ],
@@ -202,7 +218,7 @@ def _profile(job: PlanJob) -> Profile:
 
 def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, LengthDataset, list[list[int]]]:
     """Everything before the steps: cost model under the layout, pool (``progress`` per length tier), fixed
-    strategy and batches."""
+    strategy, movement cost (charged when the job says so) and batches."""
     profile = _profile(job)
     runtime = HCOMPILE_RUNTIME if job.memory_model == "hcompile" else None
     dataset, exact = _load_data(job)
@@ -217,23 +233,32 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
     pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
-    return Planner(cost_model, job.gpus, pool, fixed), dataset, batches
+    movement = movement_cost(profile, job.hardware, cost_model)
+    return Planner(cost_model, job.gpus, pool, fixed, movement=movement if job.charge_movement else None), \
+        dataset, batches
 
 
-def _movement(profile: Profile, planner: Planner) -> Callable[[Strategy], int] | None:
-    """``moved(strategy)``: the busiest rank's bytes per step under this runtime's defaults on GPUs (bf16
-    parameters, fp32 gradients), from the LLaMA layout of the profile's shape; None when the profile does not
-    give the heads and FFN width."""
+def movement_cost(profile: Profile, hardware: str, cost_model: CostModel) -> MovementCost | None:
+    """The movement of this runtime's defaults on GPUs (bf16 parameters, fp32 gradients) from the LLaMA layout
+    of the profile's shape, on the profile's measured links or else the hardware preset's; None when the
+    profile does not give the heads and FFN width."""
     if profile.heads is None or profile.ffn_hidden is None:
         return None
     layout = llama_compute_layout(layers=profile.layers, hidden=profile.hidden, ffn_hidden=profile.ffn_hidden,
                                   heads=profile.heads, kv_heads=profile.kv_heads or profile.heads,
-                                  vocab=profile.vocab, schemes=list(planner.cost_model.schemes))
+                                  vocab=profile.vocab, schemes=list(cost_model.schemes))
+    links = profile.links if profile.links is not None else link_preset(hardware)
+    return MovementCost(layout, links, param_bytes=2, reduce_bytes=4)
+
+
+def _busiest_bytes(movement: MovementCost, gpus_per_node: int) -> Callable[[Strategy], int]:
+    """``moved(strategy)``: the busiest rank's bytes per step (received and sent)."""
     cache: dict[Strategy, int] = {}
 
     def moved(strategy: Strategy) -> int:
         if strategy not in cache:
-            ranks = movement_bytes(layout, strategy, planner.cost_model.gpus_per_node, param_bytes=2, reduce_bytes=4)
+            ranks = movement_bytes(movement.layout, strategy, gpus_per_node, param_bytes=movement.param_bytes,
+                                   reduce_bytes=movement.reduce_bytes)
             cache[strategy] = max(r.total for r in ranks)
         return cache[strategy]
 
@@ -247,7 +272,8 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     if plans_out is not None:
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job, progress)
-    moved = _movement(_profile(job), planner)
+    movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model)
+    moved = None if movement is None else _busiest_bytes(movement, planner.cost_model.gpus_per_node)
     plans: list[StepPlan] = []
     lines: list[str] = []
     per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
@@ -257,7 +283,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
         bounds.append(planner.bounds(batch))  # computed once, reused by every policy's plan of the batch
         for policy in job.policies:
             plan = planner.plan(batch, policy)
-            diagnosis = diagnose(planner.cost_model, job.gpus, plan, bounds[-1])
+            diagnosis = diagnose(planner.cost_model, job.gpus, plan, bounds[-1], planner.movement_floor_ms)
             per_policy[policy].append(plan)
             diagnoses[policy].append(diagnosis)
             plans.append(plan)
@@ -268,12 +294,15 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     results = {
         name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
                            tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]),
-                           moved_bytes=tuple(moved(p.strategy) for p in ps) if moved is not None else ())
+                           moved_bytes=tuple(moved(p.strategy) for p in ps) if moved is not None else (),
+                           move_ms=(tuple(movement.exposed_ms(p.strategy) for p in ps) if movement is not None
+                                    else ()))
         for name, ps in per_policy.items()
     }
     report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,
-                        lower_bound_ms=tuple(b.best for b in bounds), bounds=tuple(bounds),
-                        cost_model=planner.cost_model, results=results)
+                        lower_bound_ms=tuple(b.best + planner.movement_floor_ms for b in bounds),
+                        bounds=tuple(bounds), cost_model=planner.cost_model, results=results, movement=movement,
+                        movement_floor_ms=planner.movement_floor_ms)
     if plans_out is not None:
         write_text_atomically(plans_out, "\n".join(lines) + "\n")
     return report, plans
@@ -288,18 +317,27 @@ def format_report(report: PlanReport) -> str:
         f"{job.model if job.profile_file is None else job.profile_file} on {job.gpus} GPUs ({job.hardware}), "
         f"dataset {report.dataset_name}, {job.global_tokens} tokens/step, {len(report.lower_bound_ms)} steps, "
         f"seed {job.seed}",
-        f"{'policy':<22}{'step ms':>10}{'tokens/s':>11}{'vs ' + BASELINE:>24}"
+        f"{'policy':<22}{'step ms':>10}{'move ms':>9}{'tokens/s':>11}{'vs ' + BASELINE:>24}"
         f"{'step / bound: mean':>20}{'p50':>7}{'p90':>7}{'max':>7}{'solve p50':>11}{'p95':>9}",
     ]
     for name, r in report.results.items():
         speedup = f"{base.est_step_ms_mean / r.est_step_ms_mean:.2f}x" if base else "-"
         ratio = r.vs_bound()
+        move = f"{np.mean(r.move_ms):.1f}" if r.move_ms else "-"
         lines.append(
-            f"{name:<22}{r.est_step_ms_mean:>10.1f}{r.tokens_per_s:>11.0f}{speedup:>24}"
+            f"{name:<22}{r.est_step_ms_mean:>10.1f}{move:>9}{r.tokens_per_s:>11.0f}{speedup:>24}"
             f"{ratio['mean']:>20.3f}{ratio['p50']:>7.3f}{ratio['p90']:>7.3f}{ratio['max']:>7.3f}"
             f"{np.percentile(r.solve_ms, 50):>9.1f}ms{np.percentile(r.solve_ms, 95):>7.1f}ms"
         )
     lines.append(f"{'lower bound':<22}{bound:>10.1f}")
+    if report.movement is not None:
+        links = report.movement.links
+        lines.append(f"movement (move ms: the exposed pull and push of the step's strategy) "
+                     f"{'in' if job.charge_movement else 'NOT in'} the step estimates; links: "
+                     f"{links.gpus_per_node} GPUs per node, {links.intra_gbps:g} GB/s inside a node, "
+                     f"{links.inter_gbps:g} GB/s between nodes, {links.latency_us:g} us per message")
+    else:
+        lines.append("movement not counted: the profile does not give the model's heads and FFN width")
     lines.append(f"fixed strategy (baselines): {report.fixed.describe()}")
     lines.append("hydraulis pool: " + ", ".join(s.describe() for s in report.pool))
     return "\n".join(lines)

@@ -20,11 +20,12 @@ of it, one direction):
 
 ``memory_gib`` is what the driver reports (nvidia-smi: 40960, 81920, 81559 and 143771 MiB), not the marketed GB.
 
-Assumed, not datasheet figures: the network is one InfiniBand port per GPU as NVIDIA's DGX systems have it
-(DGX A100: eight 200 Gb/s HDR ConnectX-6, so 25 GB/s per GPU one way; DGX H100 and DGX H200: eight 400 Gb/s NDR
-ConnectX-7, 50 GB/s); eight GPUs per node (HGX/DGX boards); a collective's start-up latency of 10 us (the order
-of a small NCCL all-reduce over NVLink). Efficiencies, activation bytes and the per-layer fixed cost are the
-:class:`~passes.graph.analyze.Hardware` defaults, fitted against the measured A800 profiles.
+The links (NVLink, network, GPUs per node, latency) are ``passes.plan.links.LINK_PRESETS``, which the planner
+reads without torch. Assumed, not datasheet figures: the network is one InfiniBand port per GPU as NVIDIA's DGX
+systems have it (DGX A100: eight 200 Gb/s HDR ConnectX-6, so 25 GB/s per GPU one way; DGX H100 and DGX H200:
+eight 400 Gb/s NDR ConnectX-7, 50 GB/s); eight GPUs per node (HGX/DGX boards); a collective's start-up latency
+of 10 us (the order of a small NCCL all-reduce over NVLink). Efficiencies, activation bytes and the per-layer
+fixed cost are the :class:`~passes.graph.analyze.Hardware` defaults, fitted against the measured A800 profiles.
 """
 
 from __future__ import annotations
@@ -33,35 +34,25 @@ from types import MappingProxyType
 from typing import Mapping
 
 from passes.graph.analyze import Hardware
+from passes.plan.links import link_preset
 
 __all__ = ["GPU_PRESETS", "DEVICE_NAMES", "hardware_preset", "hardware_for_device"]
 
-_HDR_GBPS = 200 / 8
-"""One 200 Gb/s InfiniBand HDR port, GB/s."""
-_NDR_GBPS = 400 / 8
-"""One 400 Gb/s InfiniBand NDR port, GB/s."""
-_LATENCY_US = 10.0
-"""Start-up of one collective inside a node (assumed)."""
 
-
-def _gpu(name: str, *, peak_tflops: float, hbm_gbps: float, memory_mib: int, nvlink_gbps: float,
-         network_gbps: float) -> Hardware:
-    """A preset from datasheet figures: ``nvlink_gbps`` bidirectional (halved here), memory in MiB as reported."""
+def _gpu(name: str, *, peak_tflops: float, hbm_gbps: float, memory_mib: int) -> Hardware:
+    """A preset from datasheet figures (memory in MiB as reported) and the links of ``passes.plan.links``."""
+    links = link_preset(name)
     return Hardware(name=name, peak_tflops=peak_tflops, hbm_gbps=hbm_gbps, memory_gib=memory_mib / 1024,
-                    link_gbps=nvlink_gbps / 2, network_gbps=network_gbps, latency_us=_LATENCY_US, gpus_per_node=8)
+                    link_gbps=links.intra_gbps, network_gbps=links.inter_gbps, latency_us=links.latency_us,
+                    gpus_per_node=links.gpus_per_node)
 
 
 GPU_PRESETS: Mapping[str, Hardware] = MappingProxyType({
-    "a100-40g": _gpu("a100-40g", peak_tflops=312.0, hbm_gbps=1555.0, memory_mib=40960, nvlink_gbps=600.0,
-                     network_gbps=_HDR_GBPS),
-    "a100-80g": _gpu("a100-80g", peak_tflops=312.0, hbm_gbps=2039.0, memory_mib=81920, nvlink_gbps=600.0,
-                     network_gbps=_HDR_GBPS),
-    "a800-80g": _gpu("a800-80g", peak_tflops=312.0, hbm_gbps=2039.0, memory_mib=81920, nvlink_gbps=400.0,
-                     network_gbps=_HDR_GBPS),
-    "h100-80g": _gpu("h100-80g", peak_tflops=989.0, hbm_gbps=3350.0, memory_mib=81559, nvlink_gbps=900.0,
-                     network_gbps=_NDR_GBPS),
-    "h200-141g": _gpu("h200-141g", peak_tflops=989.0, hbm_gbps=4800.0, memory_mib=143771, nvlink_gbps=900.0,
-                      network_gbps=_NDR_GBPS),
+    "a100-40g": _gpu("a100-40g", peak_tflops=312.0, hbm_gbps=1555.0, memory_mib=40960),
+    "a100-80g": _gpu("a100-80g", peak_tflops=312.0, hbm_gbps=2039.0, memory_mib=81920),
+    "a800-80g": _gpu("a800-80g", peak_tflops=312.0, hbm_gbps=2039.0, memory_mib=81920),
+    "h100-80g": _gpu("h100-80g", peak_tflops=989.0, hbm_gbps=3350.0, memory_mib=81559),
+    "h200-141g": _gpu("h200-141g", peak_tflops=989.0, hbm_gbps=4800.0, memory_mib=143771),
 })
 """The GPU presets by name (see the module docstring for the figures and their sources)."""
 

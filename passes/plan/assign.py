@@ -2,10 +2,11 @@
 
 Stage 1, dispatch: sequences to replicas, each only to replicas that can hold it, minimising the slowest
 replica (1F1B warm-up included): longest-first greedy onto the replica that finishes earliest, then local
-search on the bottleneck with estimated costs, then with exact packed costs. Tiny instances are solved
-exactly. Stage 2, packing: a replica's sequences into micro-batches of at most ``max_tokens`` tokens that
-minimise its true 1F1B time ``sum_j t_j + (pp-1) max_j t_j`` (for pp = 1: the fewest micro-batches).
-Everything is deterministic: iteration caps, no clocks, no randomness.
+search on the bottleneck with estimated costs, then with exact packed costs; a batch of at most 12 sequences
+is then searched by branch and bound within a node budget. Stage 2, packing: a replica's sequences into
+micro-batches of at most ``max_tokens`` tokens that minimise its true 1F1B time
+``sum_j t_j + (pp-1) max_j t_j`` (for pp = 1: the fewest micro-batches, exactly for up to 24 sequences within
+a node budget). Everything is deterministic: node and iteration caps, no clocks, no randomness.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from passes.plan.ir import CostModel, ParallelScheme, PlanError, bucket_padding
 __all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", "estimate_replica_ms"]
 
 _EPS = 1e-9
-_EXACT_LIMIT = 4096  # assignments enumerated at most by the exact solve of tiny instances
+_SEARCH_SEQS = 12  # batches of at most this many sequences are searched for their best assignment...
+_SEARCH_NODES = 5_000  # ...within this many nodes
+_EXACT_BINS_SEQS = 24  # the exact fewest-bins search runs for at most this many sequences...
+_EXACT_BINS_NODES = 2000  # ...and visits at most this many nodes, else first-fit decreasing stands
+_EVERY_COUNT_UP_TO = 12  # a pipelined replica of at most this many sequences tries every micro-batch count
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +93,63 @@ def first_fit(seq_lens: list[int], order: list[int], cap: int) -> list[list[int]
     return bins
 
 
+def _fewest_bins_floor(sizes: list[int], cap: int) -> int:
+    """A count no packing of ``sizes`` into bins of ``cap`` beats: the tokens over the cap, and the sizes
+    above half the cap (no two share a bin)."""
+    return max(-(-sum(sizes) // cap), sum(1 for s in sizes if 2 * s > cap))
+
+
+def _fit_into(seq_lens: list[int], order: list[int], cap: int, bins: int,
+              budget: list[int]) -> list[list[int]] | None:
+    """A packing of ``order`` (longest first) into ``bins`` bins of ``cap`` tokens by depth-first search: each
+    sequence tried in every bin with room, bins of equal room once; a branch is cut when the room that the
+    shortest sequence still fits in is less than the tokens left. None when there is none, or when the
+    search spends ``budget[0]`` (decremented per node; negative afterwards when it ran out)."""
+    sizes = [seq_lens[i] for i in order]
+    left = list(itertools.accumulate(reversed(sizes)))[::-1] + [0]
+    smallest = sizes[-1]
+    room = [cap] * bins
+    members: list[list[int]] = [[] for _ in range(bins)]
+
+    def place(k: int) -> bool:
+        if k == len(order):
+            return True
+        budget[0] -= 1
+        if budget[0] < 0 or sum(r for r in room if r >= smallest) < left[k]:
+            return False
+        tried = set()
+        for b in range(bins):
+            if room[b] >= sizes[k] and room[b] not in tried:
+                tried.add(room[b])
+                room[b] -= sizes[k]
+                members[b].append(order[k])
+                if place(k + 1):
+                    return True
+                room[b] += sizes[k]
+                members[b].pop()
+        return False
+
+    return members if place(0) else None
+
+
 def pack_fewest_bins(seq_lens: list[int], indices: list[int], cap: int) -> list[list[int]]:
-    """First-fit decreasing by tokens: few micro-batches of at most ``cap`` tokens."""
-    return first_fit(seq_lens, sorted(indices, key=lambda j: (-seq_lens[j], j)), cap)
+    """The fewest micro-batches of at most ``cap`` tokens: first-fit decreasing, and when that uses more than
+    the floor (tokens over the cap, sequences over half the cap), for at most ``_EXACT_BINS_SEQS`` sequences
+    an exact search for fewer within ``_EXACT_BINS_NODES`` nodes; first-fit decreasing stands when the
+    search runs out."""
+    order = sorted(indices, key=lambda j: (-seq_lens[j], j))
+    packed = first_fit(seq_lens, order, cap)
+    floor = _fewest_bins_floor([seq_lens[i] for i in indices], cap)
+    if len(packed) == floor or len(order) > _EXACT_BINS_SEQS:
+        return packed
+    budget = [_EXACT_BINS_NODES]
+    for bins in range(floor, len(packed)):
+        fewer = _fit_into(seq_lens, order, cap, bins, budget)
+        if fewer is not None:
+            return fewer
+        if budget[0] < 0:
+            break
+    return packed
 
 
 def _balance_time(kind: Kind, order: list[int], seq_lens: list[int], ms: Mapping[int, float],
@@ -116,6 +175,22 @@ def _one_f_one_b(pp: int, times: list[float]) -> float:
     return (sum(times) + (pp - 1) * max(times)) if times else 0.0
 
 
+def _micro_batch_counts(kind: Kind, ms: Mapping[int, float], tokens: int) -> list[int]:
+    """Micro-batch counts worth trying for a pipelined replica, all in ``[v_min, sequences]`` (a sequence is
+    never split, so no count above the sequence count exists): every one for few sequences, else the counts
+    near ``sqrt((pp-1) W / c)`` (the best for equal micro-batches) and near ``W / longest`` (past which the
+    longest sequence alone sets the largest micro-batch), clamped into that range."""
+    count = len(ms)
+    v_min = max(1, -(-tokens // kind.max_tokens))
+    if count <= _EVERY_COUNT_UP_TO:
+        return list(range(v_min, count + 1))
+    work, longest = sum(ms.values()), max(ms.values())
+    v_opt = math.sqrt((kind.pp - 1) * work / kind.c) if kind.c > 0 else count
+    v_long = work / longest if longest > 0 else count
+    near = {v for centre in (v_opt, v_long) for v in range(math.floor(centre) - 1, math.ceil(centre) + 2)}
+    return sorted({v_min, *(min(count, max(v_min, v)) for v in near)})
+
+
 def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[list[list[int]], float]:
     """Stage 2: micro-batches for one replica and its exact 1F1B time."""
     if not indices:
@@ -132,11 +207,7 @@ def pack_replica(kind: Kind, seq_lens: list[int], indices: list[int]) -> tuple[l
     if kind.pp == 1:
         return best_bins, best_ms
     order = sorted(indices, key=lambda j: (-seq_lens[j], j))
-    work, tokens = sum(ms.values()), sum(seq_lens[i] for i in indices)
-    v_min = max(1, -(-tokens // kind.max_tokens))
-    v_opt = math.sqrt((kind.pp - 1) * work / kind.c) if kind.c > 0 else len(indices)
-    candidates = {v_min, *range(max(v_min, math.floor(v_opt) - 1), math.ceil(v_opt) + 2)}
-    for v in sorted(v for v in candidates if v <= len(indices)):
+    for v in _micro_batch_counts(kind, ms, sum(seq_lens[i] for i in indices)):
         packed = _balance_time(kind, order, seq_lens, ms, v)
         if packed is None:
             continue
@@ -324,21 +395,113 @@ def _improve_exact(exact: _Exact, members: list[list[int]], groups: list[list[in
         cost[r], cost[q] = exact.ms(r, rest), exact.ms(q, members[q])
 
 
-def _solve_exactly(exact: _Exact, n: int) -> list[list[int]] | None:
-    """Every assignment of a tiny batch, when there are few enough; the one with the least max time."""
-    kinds, seq_lens = exact.kinds, exact.seq_lens
-    options = [[r for r, k in enumerate(kinds) if seq_lens[i] <= k.max_tokens] for i in range(n)]
-    if math.prod(len(o) for o in options) > _EXACT_LIMIT:
-        return None
-    best, best_members = math.inf, None
-    for choice in itertools.product(*options):
-        members: list[list[int]] = [[] for _ in kinds]
-        for i, r in enumerate(choice):
-            members[r].append(i)
-        worst = max(exact.ms(r, m) for r, m in enumerate(members))
-        if worst < best - _EPS:
-            best, best_members = worst, members
-    return best_members
+@dataclass(frozen=True, slots=True)
+class _Tally:
+    """A replica's sequences during the search, as totals."""
+
+    work: float = 0.0
+    tokens: int = 0
+    longest: float = 0.0
+    """The longest sequence's ms."""
+    over_half: int = 0
+    """Sequences of more than half the cap: no two share a micro-batch."""
+    count: int = 0
+
+    def plus(self, kind: Kind, ms: float, tokens: int) -> "_Tally":
+        return _Tally(self.work + ms, self.tokens + tokens, max(self.longest, ms),
+                      self.over_half + (2 * tokens > kind.max_tokens), self.count + 1)
+
+
+def _replica_floor(kind: Kind, tally: _Tally) -> float:
+    """A time no packing of a replica's sequences beats: with ``v`` micro-batches (at least the tokens over
+    the cap and the sequences over half of it, at most the sequences) it takes at least
+    ``W + v c + (pp-1) (max(W / v, longest) + c)``, convex in ``v`` and least at
+    ``min(sqrt((pp-1) W / c), W / longest)``."""
+    if tally.count == 0:
+        return 0.0
+    work, longest = tally.work, tally.longest
+    v_min = max(1, -(-tally.tokens // kind.max_tokens), tally.over_half)
+    if kind.pp == 1:
+        return work + v_min * kind.c
+    stages = kind.pp - 1
+    centre = min(math.sqrt(stages * work / kind.c) if kind.c > 0 else math.inf,
+                 work / longest if longest > 0 else math.inf)
+    if not math.isfinite(centre):
+        centre = v_min
+    counts = {min(tally.count, max(v_min, v)) for v in (math.floor(centre), math.ceil(centre))}
+    return min(work + v * kind.c + stages * (max(work / v, longest) + kind.c) for v in counts)
+
+
+class _Search:
+    """Branch and bound over the assignments of a small batch: sequences longest first, each onto a replica
+    that holds it (of a scheme's empty replicas only the first), a branch cut when a replica's floor
+    (``_replica_floor``) reaches the best max exact time found; within a node budget (each placement and
+    each replica packed at a leaf costs one)."""
+
+    def __init__(self, exact: _Exact, groups: list[list[int]]):
+        self.exact, self.groups = exact, groups
+        kinds, seq_lens = exact.kinds, exact.seq_lens
+        self.order = sorted(range(len(seq_lens)), key=lambda j: (-seq_lens[j], j))
+        self.ms = [[kinds[g[0]].seq_ms(s) for s in seq_lens] for g in groups]
+        self.members: list[list[int]] = [[] for _ in kinds]
+        self.tallies = [_Tally()] * len(kinds)
+        self.floors = [0.0] * len(kinds)
+        self.used = [0] * len(groups)  # each group's replicas in use: its first ones
+        self.best: list[list[int]] = []
+        self.best_ms = math.inf
+        self.nodes = 0
+
+    def run(self, incumbent: list[list[int]], nodes: int) -> list[list[int]]:
+        """The best assignment found from ``incumbent`` within ``nodes`` nodes."""
+        self.best = [list(m) for m in incumbent]
+        self.best_ms = max(self.exact.ms(r, m) for r, m in enumerate(incumbent))
+        self.nodes = nodes
+        self._place(0, 0.0)
+        return self.best
+
+    def _options(self, i: int) -> list[tuple[float, int, int, _Tally]]:
+        """(floor, replica, group, tally) with ``i`` added, for each replica that may take sequence ``i``,
+        the least floor first."""
+        kinds, s = self.exact.kinds, self.exact.seq_lens[i]
+        out = []
+        for g, replicas in enumerate(self.groups):
+            kind = kinds[replicas[0]]
+            if s > kind.max_tokens:
+                continue
+            for r in replicas[:self.used[g] + 1]:
+                tally = self.tallies[r].plus(kind, self.ms[g][i], s)
+                out.append((_replica_floor(kind, tally), r, g, tally))
+        return sorted(out, key=lambda o: o[:3])
+
+    def _complete(self) -> None:
+        """Keep the full assignment if its max exact time is the best yet; packing stops at the first replica
+        that reaches the best, the highest floors first."""
+        worst = 0.0
+        for r in sorted((r for r, m in enumerate(self.members) if m), key=lambda r: (-self.floors[r], r)):
+            self.nodes -= 1
+            worst = max(worst, self.exact.ms(r, self.members[r]))
+            if worst >= self.best_ms - _EPS:
+                return
+        self.best, self.best_ms = [list(m) for m in self.members], worst
+
+    def _place(self, k: int, floor: float) -> None:
+        self.nodes -= 1
+        if self.nodes < 0:
+            return
+        if k == len(self.order):
+            self._complete()
+            return
+        i = self.order[k]
+        for replica_floor, r, g, tally in self._options(i):
+            if max(floor, replica_floor) >= self.best_ms - _EPS:
+                break
+            saved = self.tallies[r], self.floors[r], self.used[g]
+            self.members[r].append(i)
+            self.tallies[r], self.floors[r] = tally, replica_floor
+            self.used[g] = max(saved[2], self.groups[g].index(r) + 1)
+            self._place(k + 1, max(floor, replica_floor))
+            self.members[r].pop()
+            self.tallies[r], self.floors[r], self.used[g] = saved
 
 
 def dispatch(kinds: list[Kind], seq_lens: list[int], rounds: int = 64) -> list[tuple[list[list[int]], float]]:
@@ -348,11 +511,11 @@ def dispatch(kinds: list[Kind], seq_lens: list[int], rounds: int = 64) -> list[t
         raise PlanError(f"a sequence of {longest} tokens fits no replica of this strategy")
     groups = _groups(kinds)
     exact = _Exact(kinds, seq_lens)
-    members = _solve_exactly(exact, len(seq_lens))
-    if members is None:
-        loads = _Loads(kinds, seq_lens)
-        _greedy(loads, groups)
-        _improve_estimates(loads, groups, rounds)
-        members = loads.members
-        _improve_exact(exact, members, groups, rounds=max(4, rounds // 8))
+    loads = _Loads(kinds, seq_lens)
+    _greedy(loads, groups)
+    _improve_estimates(loads, groups, rounds)
+    members = loads.members
+    _improve_exact(exact, members, groups, rounds=max(4, rounds // 8))
+    if len(seq_lens) <= _SEARCH_SEQS:
+        members = _Search(exact, groups).run(members, _SEARCH_NODES)
     return [exact.pack(r, m) for r, m in enumerate(members)]

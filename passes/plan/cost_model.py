@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from passes.plan.links import Links
 from passes.plan.placement import group_aligns
 
 __all__ = [
@@ -124,6 +125,9 @@ class Profile:
     """Attention heads, when the profile says."""
     kv_heads: int | None = None
     """Key/value heads (None with ``heads`` given: as many as ``heads``)."""
+    links: Links | None = None
+    """The links the profile measured (``hcompile profile``: gloo or NCCL between its local ranks); None: the
+    hardware preset's."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "vocab", "gpus_per_node"):
@@ -184,11 +188,27 @@ class Profile:
                 ffn_hidden=_whole(model["ffn_hidden"], "ffn_hidden", label) if "ffn_hidden" in model else None,
                 heads=_whole(model["heads"], "heads", label) if "heads" in model else None,
                 kv_heads=_whole(model["kv_heads"], "kv_heads", label) if "kv_heads" in model else None,
+                links=_links(hw, label),
             )
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlanError(f"profile {label} is missing or has a malformed field: {exc!r}") from None
+
+
+def _links(hw: dict, label: str) -> Links | None:
+    """The measured links of a profile's ``hardware`` entry (``intra_gbps``, ``inter_gbps``, ``latency_us``),
+    None when it has none."""
+    names = ("intra_gbps", "inter_gbps", "latency_us")
+    if not any(n in hw for n in names):
+        return None
+    missing = [n for n in names if n not in hw]
+    if missing:
+        raise PlanError(f"profile {label}: the hardware entry gives links without {', '.join(missing)}")
+    return Links(gpus_per_node=_whole(hw["gpus_per_node"], "gpus_per_node", label),
+                 intra_gbps=_finite(hw["intra_gbps"], "intra_gbps", label, positive=True),
+                 inter_gbps=_finite(hw["inter_gbps"], "inter_gbps", label, positive=True),
+                 latency_us=_finite(hw["latency_us"], "latency_us", label))
 
 
 def _whole(value: object, field: str, where: str) -> int:

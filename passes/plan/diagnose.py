@@ -10,11 +10,14 @@ sharing the sum), splits exactly into three parts, each in ms of step time (GPU-
 - ``packing``: each replica's time beyond its sequences' additive GPU-ms: per-micro-batch costs above the
   fractional share, bucket padding and pipeline bubbles.
 
-The three add up to ``M - area``. Part of that no plan can close: ``unavoidable = lower_bound - area``,
-where the step's tightest bound (``passes.plan.bounds``) proves it. It is taken off the part its binding
-bound is about (latency: the GPUs that idle while one long sequence runs, a dispatch part; pipeline and long:
-schemes the batch cannot use at their area cost, a strategy part), any rest from the other parts in
-proportion; the step's ``costliest`` is the largest of what remains: where a better plan could still gain.
+The three add up to ``M - area``, M the compute makespan. A plan charged for parameter and gradient movement
+(``StepPlan.est_move_ms``) has a fourth part, ``movement``: its exposed movement above the floor no strategy
+avoids (``Planner.movement_floor_ms``), which the bound then includes. Part of that no plan can close:
+``unavoidable = compute bound - area``, where the step's tightest bound (``passes.plan.bounds``) proves it. It is
+taken off the part its binding bound is about (latency: the GPUs that idle while one long sequence runs, a
+dispatch part; pipeline and long: schemes the batch cannot use at their area cost, a strategy part), any rest
+from the other parts in proportion; the step's ``costliest`` is the largest of what remains: where a better plan
+could still gain.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from passes.plan.assign import Kind
 from passes.plan.bounds import Bounds, bound_terms, cheapest_area
 from passes.plan.ir import CostModel, StepPlan
 
-__all__ = ["ReplicaDiagnosis", "StepDiagnosis", "diagnose"]
+__all__ = ["PARTS", "ReplicaDiagnosis", "StepDiagnosis", "diagnose"]
 
-PARTS = ("strategy", "dispatch", "packing")
+PARTS = ("strategy", "dispatch", "packing", "movement")
 _EXPLAINED_BY = {"area": None, "latency": "dispatch", "pipeline": "strategy", "long": "strategy"}
 
 
@@ -48,7 +51,7 @@ class StepDiagnosis:
     """One step plan against its bounds."""
 
     est_step_ms: float
-    """The plan's makespan."""
+    """The plan's estimate: compute makespan plus exposed movement."""
     bounds: Bounds
     """Every lower bound of the batch."""
     strategy_ms: float
@@ -59,11 +62,20 @@ class StepDiagnosis:
     """Gap from micro-batch overheads, bucket padding and pipeline bubbles."""
     replicas: tuple[ReplicaDiagnosis, ...]
     """Per replica, in the plan's order."""
+    movement_ms: float = 0.0
+    """Exposed movement above the floor (0 when movement is not charged)."""
+    movement_floor_ms: float = 0.0
+    """Movement no strategy avoids, part of the step's bound."""
+
+    @property
+    def lower_bound_ms(self) -> float:
+        """The tightest compute bound plus the movement floor."""
+        return self.bounds.best + self.movement_floor_ms
 
     @property
     def vs_bound(self) -> float:
-        """Makespan over the tightest lower bound."""
-        return self.est_step_ms / self.bounds.best
+        """Estimate over the step's lower bound."""
+        return self.est_step_ms / self.lower_bound_ms
 
     @property
     def unavoidable_ms(self) -> float:
@@ -96,7 +108,8 @@ class StepDiagnosis:
         """The JSON form (``hcompile plan --json`` and ``--plans-out``)."""
         return {
             "est_step_ms": round(self.est_step_ms, 3),
-            "lower_bound_ms": round(self.bounds.best, 3),
+            "est_move_ms": round(self.movement_ms + self.movement_floor_ms, 3),
+            "lower_bound_ms": round(self.lower_bound_ms, 3),
             "vs_bound": round(self.vs_bound, 4),
             "bounds": {**self.bounds.to_dict(), "binding": self.bounds.binding},
             "gap_ms": {p: round(getattr(self, f"{p}_ms"), 3) for p in PARTS},
@@ -107,13 +120,15 @@ class StepDiagnosis:
         }
 
 
-def diagnose(cost_model: CostModel, gpus: int, plan: StepPlan, bounds: Bounds | None = None) -> StepDiagnosis:
-    """Split ``plan``'s gap to the area bound into strategy, dispatch and packing, per replica its slack."""
+def diagnose(cost_model: CostModel, gpus: int, plan: StepPlan, bounds: Bounds | None = None,
+             movement_floor_ms: float = 0.0) -> StepDiagnosis:
+    """Split ``plan``'s gap to the area bound into strategy, dispatch, packing and movement (above
+    ``movement_floor_ms``), per replica its slack."""
     lens = plan.seq_lens
     bounds = bounds if bounds is not None else bound_terms(cost_model, gpus, lens)
     overall = cheapest_area(cost_model, [s for s in cost_model.schemes if s.gpus <= gpus], lens)
     in_strategy = cheapest_area(cost_model, list(plan.strategy.schemes), lens)
-    makespan = plan.est_step_ms
+    makespan = plan.est_step_ms - plan.est_move_ms
     placed = idle = packing = 0.0
     replicas = []
     for replica in plan.replicas:
@@ -127,5 +142,6 @@ def diagnose(cost_model: CostModel, gpus: int, plan: StepPlan, bounds: Bounds | 
         replicas.append(ReplicaDiagnosis(scheme=replica.scheme.describe(), est_ms=replica.est_ms,
                                          slack_ms=makespan - replica.est_ms))
     strategy = float((in_strategy - overall).sum())
-    return StepDiagnosis(est_step_ms=makespan, bounds=bounds, strategy_ms=strategy / gpus,
-                         dispatch_ms=(placed + idle) / gpus, packing_ms=packing / gpus, replicas=tuple(replicas))
+    return StepDiagnosis(est_step_ms=plan.est_step_ms, bounds=bounds, strategy_ms=strategy / gpus,
+                         dispatch_ms=(placed + idle) / gpus, packing_ms=packing / gpus, replicas=tuple(replicas),
+                         movement_ms=plan.est_move_ms - movement_floor_ms, movement_floor_ms=movement_floor_ms)

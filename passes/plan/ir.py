@@ -322,13 +322,16 @@ class StepPlan:
     replicas: tuple[ReplicaPlan, ...]
     """One entry per replica, in the strategy's canonical order."""
     est_step_ms: float
-    """Estimated step time: the slowest replica."""
+    """Estimated step time: the slowest replica, plus ``est_move_ms``."""
     lower_bound_ms: float
-    """A bound no plan of this batch on this cluster can beat (docs/design.md, section 6.2)."""
+    """A bound no plan of this batch on this cluster can beat (docs/design.md, section 6.2), with the
+    movement floor when movement is charged."""
     policy: str = "hydraulis"
     """The planner policy that made the plan."""
     solve_ms: float = 0.0
     """Wall-clock time the planner needed for this step."""
+    est_move_ms: float = 0.0
+    """The exposed parameter and gradient movement included in ``est_step_ms`` (0 when not charged)."""
 
     @property
     def num_gpus(self) -> int:
@@ -354,6 +357,7 @@ class StepPlan:
             seq_lens=list(self.seq_lens),
             replicas=[r.to_dict() for r in self.replicas],
             est_step_ms=round(self.est_step_ms, 3),
+            est_move_ms=round(self.est_move_ms, 3),
             lower_bound_ms=round(self.lower_bound_ms, 3),
             solve_ms=round(self.solve_ms, 3),
         )

@@ -7,6 +7,13 @@ place computes with: what ``runtime.stage_params`` holds) and :func:`movement_by
 as the planner does (``placement.assign_ranks``) and intersects every rank's ranges with the owners' equal
 contiguous shards, as the runtime does: per rank the bytes it receives and sends, parameters in the compute
 dtype and gradients in the reduction dtype, messages to itself not counted.
+
+Also owns the time of that movement: :func:`pair_elements` (what each owner sends each rank) and
+:func:`movement_time`, which replays the runtime's rounds (round d: every rank sends to rank + d and receives
+from rank - d, a message starting once both ends have reached the round, in chunks of ``chunk_numel``) over
+the links of :class:`passes.plan.links.Links` (same node or not), and :class:`MovementCost`, what the
+planner charges a strategy: the pull before the compute and the push after it, both exposed (the runtime does
+not overlap them with compute), cached per strategy, with a floor no strategy can beat.
 """
 
 from __future__ import annotations
@@ -15,10 +22,17 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
+
 from passes.plan.ir import ParallelScheme, PlanError, Strategy
+from passes.plan.links import Links
 from passes.plan.placement import assign_ranks
 
-__all__ = ["ComputeLayout", "RankMovement", "movement_bytes", "merged", "places", "llama_compute_layout"]
+__all__ = ["ComputeLayout", "RankMovement", "movement_bytes", "merged", "places", "llama_compute_layout",
+           "pair_elements", "MovementTime", "movement_time", "MovementCost", "DEFAULT_CHUNK_NUMEL"]
+
+DEFAULT_CHUNK_NUMEL = 1 << 24
+"""Elements of the runtime's largest single message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL``)."""
 
 Ranges = tuple[tuple[int, int], ...]
 Place = tuple[ParallelScheme, int, int]
@@ -153,6 +167,174 @@ def movement_bytes(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int
         out.append(RankMovement(params_received=received * param_bytes, params_sent=served * param_bytes,
                                 grads_sent=received * reduce_bytes, grads_received=served * reduce_bytes))
     return tuple(out)
+
+
+def _per_owner(layout: ComputeLayout, place: Place, world: int) -> np.ndarray:
+    """Per owner k of ``world`` equal shards: elements of its shard that ``place`` computes with."""
+    shard = max(1, -(-layout.numel // world))
+    prefix = layout.needs(place)
+    return np.diff(np.array([prefix.upto(k * shard) for k in range(world + 1)], dtype=np.int64))
+
+
+def pair_elements(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int,
+                  columns: dict[tuple[Place, int], np.ndarray] | None = None) -> np.ndarray:
+    """``E[k, r]``: elements of owner k's shard that rank r computes with, for ``strategy`` placed as the
+    planner places it (the diagonal is what a rank holds itself). ``columns`` caches each place's per-owner
+    counts across strategies."""
+    where = places(strategy, gpus_per_node)
+    columns = {} if columns is None else columns
+    for place in dict.fromkeys(where):
+        if (place, len(where)) not in columns:
+            columns[(place, len(where))] = _per_owner(layout, place, len(where))
+    return np.stack([columns[(p, len(where))] for p in where], axis=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MovementTime:
+    """The wall time of one step's movement phases, as the runtime runs them."""
+
+    pull_ms: float
+    """Parameters from the owners, until the last rank has its slices."""
+    push_ms: float
+    """Gradients to the owners, from a common start until the last rank is done."""
+
+    @property
+    def total_ms(self) -> float:
+        return self.pull_ms + self.push_ms
+
+
+def _rounds_ms(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes: int, chunk_numel: int) -> float:
+    """When the last rank finishes the rounds (see :func:`_rounds_ready`)."""
+    return float(_rounds_ready(sends, node, links, elem_bytes, chunk_numel).max())
+
+
+def _rounds_ready(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes: int,
+                  chunk_numel: int) -> np.ndarray:
+    """The runtime's rounds of pairs with ``sends[a, b]`` elements from a to b: round d pairs r -> r + d, a
+    message starts when both ends have finished round d - 1 (an empty one is not sent) and takes a latency
+    per chunk plus its bytes over its link; a rank finishes a round with its send and its receive. Per rank,
+    when it finishes the last round (ms)."""
+    world = sends.shape[0]
+    if world < 2:
+        return np.zeros(world)
+    rank = np.arange(world)
+    shift = np.arange(1, world)[:, None]
+    dst = (rank + shift) % world  # [d - 1, r]: whom r sends to in round d
+    src = (rank - shift) % world
+    n = sends[rank, dst]
+    per_byte_ms = np.where(node[dst] == node, 1 / (links.intra_gbps * 1e6), 1 / (links.inter_gbps * 1e6))
+    cost = links.latency_us * 1e-3 * np.ceil(n / chunk_numel) + n * elem_bytes * per_byte_ms
+    cost[n == 0] = -np.inf  # no message: the round waits for nothing on that side
+    ready = np.zeros(world)
+    for d in range(world - 1):
+        end = np.maximum(ready, ready[dst[d]]) + cost[d]
+        ready = np.maximum(ready, np.maximum(end, end[src[d]]))
+    return ready
+
+
+def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, param_bytes: int = 2,
+                  reduce_bytes: int = 4, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+                  columns: dict[tuple[Place, int], np.ndarray] | None = None) -> MovementTime:
+    """The pull and push of ``strategy`` on ``links`` (ranks ``n * gpus_per_node ..`` on node n). With
+    ``links.fresh_gbps``, each rank also writes its phases' new buffers at that rate: in the pull its compute
+    copy and the zeroed gradient buffer (in the compute dtype), in the push the zeroed fp32 shard gradient and
+    the chunks it receives."""
+    if chunk_numel < 1:
+        raise PlanError(f"chunk_numel must be positive, got {chunk_numel!r}")
+    elements = pair_elements(layout, strategy, links.gpus_per_node, columns)
+    needs = elements.sum(axis=0)
+    np.fill_diagonal(elements, 0)
+    served = elements.sum(axis=1)
+    node = np.arange(elements.shape[0]) // links.gpus_per_node
+    shard = -(-layout.numel // max(1, elements.shape[0]))
+    pull = _rounds_ready(elements, node, links, param_bytes, chunk_numel) + links.fresh_ms(1) * 2 * needs * param_bytes
+    push = (_rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
+            + links.fresh_ms(1) * (4 * shard + served * reduce_bytes))
+    return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)))
+
+
+class MovementCost:
+    """What the planner charges a strategy for its movement: the pull and the push, both exposed (the runtime
+    runs them before and after the compute), cached per strategy. :meth:`exposed_ms` replays the rounds
+    (O(ranks^2), cached); :meth:`quick_ms` is a bound under it in O(ranks x places); :meth:`ranking_ms`,
+    what a planner ranks many candidates by, is the first up to ``exact_up_to`` ranks and the second above."""
+
+    def __init__(self, layout: ComputeLayout, links: Links, *, param_bytes: int = 2, reduce_bytes: int = 4,
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, exact_up_to: int = 256):
+        self.layout, self.links, self.exact_up_to = layout, links, exact_up_to
+        self.param_bytes, self.reduce_bytes, self.chunk_numel = param_bytes, reduce_bytes, chunk_numel
+        self._times: dict[Strategy, MovementTime] = {}
+        self._quick: dict[Strategy, float] = {}
+        self._columns: dict[tuple[Place, int], np.ndarray] = {}
+
+    def ranking_ms(self, strategy: Strategy) -> float:
+        """:meth:`exposed_ms` on up to ``exact_up_to`` ranks (a few ms at 64), :meth:`quick_ms` above (the
+        replay costs about 0.1 s per strategy at 1024 ranks, and a step ranks hundreds)."""
+        return self.exposed_ms(strategy) if strategy.gpus <= self.exact_up_to else self.quick_ms(strategy)
+
+    def quick_ms(self, strategy: Strategy) -> float:
+        """A bound under :meth:`exposed_ms`: per phase, the busiest rank's sends or receives one after
+        another at their links' speed, a latency per message, no waiting for the other ends."""
+        if strategy not in self._quick:
+            self._quick[strategy] = self._quick_ms(strategy)
+        return self._quick[strategy]
+
+    def _quick_ms(self, strategy: Strategy) -> float:
+        where = places(strategy, self.links.gpus_per_node)
+        world, gpn = len(where), self.links.gpus_per_node
+        if world < 2:
+            return 0.0
+        node = np.arange(world) // gpn
+        nodes = int(node[-1]) + 1
+        intra, inter = 1 / (self.links.intra_gbps * 1e6), 1 / (self.links.inter_gbps * 1e6)
+        recv = np.zeros(world)  # ms per byte, received
+        send = np.zeros(world)
+        recv_msgs = np.zeros(world)
+        send_msgs = np.zeros(world)
+        ranks_of: dict[Place, list[int]] = {}
+        for rank, place in enumerate(where):
+            ranks_of.setdefault(place, []).append(rank)
+        for place, ranks in ranks_of.items():
+            key = (place, world)
+            if key not in self._columns:
+                self._columns[key] = _per_owner(self.layout, place, world)
+            column = self._columns[key]  # elements of owner k's shard the place needs
+            on_node = np.bincount(node, weights=column, minlength=nodes)
+            holds = column > 0
+            r = np.asarray(ranks)
+            recv[r] += (on_node[node[r]] - column[r]) * intra + (column.sum() - on_node[node[r]]) * inter
+            recv_msgs[r] += holds.sum() - holds[r]
+            here = np.bincount(node[r], minlength=nodes)  # ranks of this place per node
+            same = here[node] - np.isin(np.arange(world), r)  # other ranks of this place on owner k's node
+            send += column * (same * intra + (len(ranks) - here[node]) * inter)
+            send_msgs += holds * (len(ranks) - np.isin(np.arange(world), r))
+        latency = self.links.latency_us * 1e-3
+        return sum(float(np.max(np.maximum(recv * b + recv_msgs * latency, send * b + send_msgs * latency)))
+                   for b in (self.param_bytes, self.reduce_bytes))
+
+    def time(self, strategy: Strategy) -> MovementTime:
+        """The movement phases of ``strategy``."""
+        if strategy not in self._times:
+            self._times[strategy] = movement_time(self.layout, strategy, self.links, param_bytes=self.param_bytes,
+                                                  reduce_bytes=self.reduce_bytes, chunk_numel=self.chunk_numel,
+                                                  columns=self._columns)
+        return self._times[strategy]
+
+    def exposed_ms(self, strategy: Strategy) -> float:
+        """Step time the movement of ``strategy`` adds (all of it: nothing overlaps it)."""
+        return self.time(strategy).total_ms
+
+    def floor_ms(self, schemes: list[ParallelScheme], gpus: int) -> float:
+        """A floor under :meth:`exposed_ms` for every strategy of ``schemes`` on ``gpus`` GPUs: a rank
+        computes with at least the fewest elements any place of those schemes needs, its own shard holds at
+        most a shard of them, and the rest comes in and its gradient goes out at the fastest link."""
+        if gpus < 2 or not schemes:
+            return 0.0
+        fewest = min(self.layout.needs((s, stage, t)).total for s in schemes for stage in range(s.pp)
+                     for t in range(s.tp * s.cp))
+        missing = max(0, fewest - -(-self.layout.numel // gpus))
+        fastest = max(self.links.intra_gbps, self.links.inter_gbps) * 1e6
+        return missing * (self.param_bytes + self.reduce_bytes) / fastest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,6 +11,11 @@
   quadratic-aware two-stage assignment.
 - ``hydraulis``: each step the best strategy of the data-aware pool, or of the mixes of the pool's schemes
   that a hill climb from the pool's best reaches (``refine=True``), with the two-stage assignment.
+
+With a :class:`~passes.plan.movement.MovementCost`, every policy's estimate is its compute makespan plus the
+exposed parameter and gradient movement of its strategy (``StepPlan.est_move_ms``), the strategies are chosen
+and ranked by that sum, and the lower bound adds the movement floor (no strategy moves less); without one,
+estimates and bounds are compute only.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from passes.plan.assign import Kind, dispatch, first_fit
 from passes.plan.bounds import Bounds, bound_terms, lower_bound_ms
 from passes.plan.datasets import check_batch
 from passes.plan.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
+from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
@@ -56,6 +62,8 @@ class _Assignment:
     strategy: Strategy
     replicas: tuple[ReplicaPlan, ...]
     est_ms: float
+    """Compute makespan plus ``move_ms``."""
+    move_ms: float = 0.0
 
 
 class Planner:
@@ -63,9 +71,11 @@ class Planner:
 
     def __init__(self, cost_model: CostModel, gpus: int, pool: list[Strategy], fixed: Strategy,
                  rounds: int = 64, prune_above: float = 1.02, refine: bool = True, refine_starts: int = 2,
-                 full_at_least: int = 2, allow: Callable[[Strategy], bool] | None = None):
+                 full_at_least: int = 2, full_at_most: int = 16, allow: Callable[[Strategy], bool] | None = None,
+                 movement: MovementCost | None = None):
         self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
-        for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least)):
+        for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least),
+                            ("full_at_most", full_at_most)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
         for strategy in [*pool, fixed]:
@@ -83,6 +93,28 @@ class Planner:
         self._last_bounds: tuple[tuple[int, ...], Bounds] | None = None
         self.full_at_least = full_at_least
         """Strategies planned in full per step, the best by the fluid estimate (more while within ``prune_above``)."""
+        self.full_at_most = full_at_most
+        """At most this many planned in full per step besides those ``full_at_least`` asks for (a bound on the
+        solve time where the ranking's movement is the loose bound: above ``MovementCost.exact_up_to`` ranks)."""
+        self.planned_in_full = 0
+        """How many strategies the last step planned in full."""
+        self.movement = movement
+        """The movement charged to each strategy (None: estimates are compute only)."""
+        self.movement_floor_ms = (0.0 if movement is None
+                                  else movement.floor_ms(usable_schemes(cost_model, gpus), gpus))
+        """Movement no strategy of this cluster avoids: added to every step's lower bound."""
+
+    def move_ms(self, strategy: Strategy) -> float:
+        """The exposed movement charged to ``strategy`` (0 without a movement cost)."""
+        return 0.0 if self.movement is None else self.movement.exposed_ms(strategy)
+
+    def _move_floor_ms(self, strategy: Strategy) -> float:
+        """A bound under :meth:`move_ms` (for pruning: cheaper when the strategy was never planned)."""
+        return 0.0 if self.movement is None else self.movement.quick_ms(strategy)
+
+    def _move_rank_ms(self, strategy: Strategy) -> float:
+        """The movement candidates are ranked by (``MovementCost.ranking_ms``)."""
+        return 0.0 if self.movement is None else self.movement.ranking_ms(strategy)
 
     def _check_strategy(self, strategy: Strategy) -> None:
         if strategy.gpus != self.gpus:
@@ -99,7 +131,7 @@ class Planner:
         if policy not in POLICIES:
             raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         seq_lens = check_batch(list(seq_lens))
-        bound = self.bounds(seq_lens).best
+        bound = self.bounds(seq_lens).best + self.movement_floor_ms
         started = time.perf_counter()
         if strategy is not None:
             self._check_strategy(strategy)
@@ -113,7 +145,8 @@ class Planner:
             best = self._best_of(candidates, seq_lens, refine=self.refine and policy == "hydraulis")
         solve_ms = (time.perf_counter() - started) * 1e3
         return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
-                        est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms)
+                        est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms,
+                        est_move_ms=best.move_ms)
 
     def bounds(self, seq_lens: Sequence[int]) -> Bounds:
         """Every lower bound of the batch (``bounds.bound_terms``), kept for the last batch: the policies
@@ -129,20 +162,23 @@ class Planner:
     def _ranked(self, candidates: list[Strategy], seq_lens: list[int],
                 refine: bool) -> list[tuple[float, str, Strategy]]:
         """The candidates that hold the batch (and, with ``refine``, the mixes of the pool's schemes that hill
-        climbs from the best of them reach), as (fluid estimate, name, strategy), the best estimate first."""
+        climbs from the best of them reach), as (fluid estimate plus movement, name, strategy), the best
+        estimate first."""
         longest = max(seq_lens)
         usable = [s for s in candidates if self._holds(s, longest)]
         if not usable:  # the pool was built for shorter data: fall back to every homogeneous strategy
             usable = [s for s in self.homogeneous if self._holds(s, longest)]
         if not usable:
             raise too_long_error(self.cost_model, self.gpus, longest)
-        scores = fluid_scores(self.cost_model, usable, np.asarray(seq_lens, dtype=np.int64))
+        fluid_ms = fluid_scores(self.cost_model, usable, np.asarray(seq_lens, dtype=np.int64))
+        scores = [float(f) + self._move_rank_ms(s) for f, s in zip(fluid_ms, usable)]
         ranked = sorted(zip(scores, (s.describe() for s in usable), usable), key=lambda x: x[:2])
         if not refine:
             return ranked
         scored = {s: f for f, _, s in ranked}
         for fluid, _, start in ranked[:self.refine_starts]:
-            for score, strategy in refine_strategy(self.cost_model, start, self.pool_schemes, seq_lens, fluid):
+            for score, strategy in refine_strategy(self.cost_model, start, self.pool_schemes, seq_lens, fluid,
+                                                   extra=None if self.movement is None else self._move_rank_ms):
                 if strategy in scored or self.allow is None or self.allow(strategy):
                     scored.setdefault(strategy, score)
         return sorted(((f, s.describe(), s) for s, f in scored.items()), key=lambda x: x[:2])
@@ -150,18 +186,26 @@ class Planner:
     def _best_of(self, candidates: list[Strategy], seq_lens: list[int], refine: bool = False) -> _Assignment:
         """Plan in full, in order of the fluid estimate: the first ``full_at_least`` candidates and the best
         candidate of ``candidates`` themselves, then every other one predicted within ``prune_above`` of the
-        best plan found and not excluded by its schemes' bound."""
+        best plan found and not excluded by its schemes' bound, ``full_at_most`` in all."""
         ranked = self._ranked(candidates, seq_lens, refine)
         first_own = next((s for _, _, s in ranked if s in candidates), ranked[0][2])
         best = None
+        self.planned_in_full = 0
         for planned, (fluid, _, strategy) in enumerate(ranked):
             must = planned < self.full_at_least or strategy == first_own
-            if best is not None and not must and fluid > best.est_ms * self.prune_above:
-                continue  # predicted clearly slower than the best plan found
+            if best is not None and not must and self.planned_in_full >= self.full_at_most:
+                continue
+            # predicted clearly slower than the best plan found: the margin is a share of its compute (the fluid
+            # estimate's error), not of the movement both sides carry
+            if best is not None and not must and fluid > best.est_ms + (self.prune_above - 1) * (best.est_ms -
+                                                                                                 best.move_ms):
+                continue
             bound = lower_bound_ms(self.cost_model, self.gpus, seq_lens, list(strategy.schemes))
+            bound += self._move_floor_ms(strategy)
             if best is not None and bound >= best.est_ms:
                 continue  # provably no better
             candidate = self._two_stage(strategy, seq_lens)
+            self.planned_in_full += 1
             if best is None or candidate.est_ms < best.est_ms - 1e-9:
                 best = candidate
         assert best is not None  # the first usable strategy is always planned
@@ -183,7 +227,8 @@ class Planner:
                         micro_batches=tuple(tuple(sorted(b)) for b in bins))
             for k, rk, bins, ms in zip(kinds, ranks, bins_per_replica, ms_per_replica)
         )
-        return _Assignment(strategy=strategy, replicas=replicas, est_ms=max(ms_per_replica))
+        move = self.move_ms(strategy)
+        return _Assignment(strategy=strategy, replicas=replicas, est_ms=max(ms_per_replica) + move, move_ms=move)
 
     def _baseline(self, policy: str, seq_lens: list[int]) -> _Assignment:
         strategy = self.fixed

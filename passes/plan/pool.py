@@ -26,7 +26,8 @@ from passes.plan.placement import placeable, too_long_error, usable_schemes
 __all__ = ["build_pool", "tier_caps", "conditional_batches", "fluid_makespan", "fluid_estimate", "fluid_scores",
            "mixes_of"]
 
-_SPLIT_POINTS = 257
+_SPLIT_POINTS = 257  # evenly spaced boundary candidates at most
+_GRID_ROWS = 1225  # boundary rows at most from them: three segments' 49 points
 
 
 def tier_caps(cost_model: CostModel, gpus: int, longest: int) -> list[int]:
@@ -63,30 +64,45 @@ def conditional_batches(dataset: LengthDataset, global_tokens: int, low: int, hi
     return batches
 
 
-def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Fluid 1F1B time of one of ``n`` equal replicas sharing ``work`` ms over ``tokens``."""
+def _type_ms(k: Kind, work: np.ndarray, tokens: np.ndarray, longest: np.ndarray, seqs: np.ndarray,
+             n: np.ndarray) -> np.ndarray:
+    """Fluid 1F1B time of one of ``n`` equal replicas sharing ``work`` ms over ``tokens`` and ``seqs`` sequences,
+    the longest of ``longest`` ms. A pipelined replica runs ``sqrt((pp-1) w / c)`` micro-batches, fewer where
+    the longest sequence alone sets the largest (``w / longest``) or the replica has fewer sequences."""
     w, t = work / n, tokens / n
     busy = np.where(work > 0, 1.0, 0.0)
     v_min = np.maximum(1.0, t / k.max_tokens)
     if k.pp == 1:
         return busy * np.maximum(w + k.c * v_min, longest + k.c)
-    v = np.maximum(v_min, np.sqrt((k.pp - 1) * w / k.c)) if k.c > 0 else np.maximum(v_min, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v_long = np.where(longest > 0, w / longest, np.inf)
+    v_opt = np.sqrt((k.pp - 1) * w / k.c) if k.c > 0 else np.full_like(w, np.inf)
+    v = np.maximum(v_min, np.minimum(np.minimum(v_opt, v_long), np.maximum(1.0, seqs / n)))
     return busy * (w + v * k.c + (k.pp - 1) * (np.maximum(w / v, longest) + k.c))
 
 
+def _even_points(parts: int) -> int:
+    """Evenly spaced boundary candidates for ``parts`` segments: the most (up to ``_SPLIT_POINTS``) that keep the
+    grid within ``_GRID_ROWS`` rows (257 for two segments, 49 for three, 18 for four, 11 for five)."""
+    points = _SPLIT_POINTS
+    while points > 2 and math.comb(points + parts - 2, parts - 1) > _GRID_ROWS:
+        points -= 1
+    return points
+
+
 def _split_grid(seqs_desc: np.ndarray, caps: list[int], parts: int) -> np.ndarray:
-    """Candidate segment boundaries (rows of ``parts - 1`` ascending indices) over the sorted batch."""
+    """Candidate segment boundaries (rows of ``parts - 1`` ascending indices) over the sorted batch: every
+    non-decreasing choice from evenly spaced points and the points where a scheme stops holding the sequences."""
     n = len(seqs_desc)
-    points = set(np.linspace(0, n, min(n + 1, _SPLIT_POINTS if parts == 2 else 49)).astype(int).tolist())
-    points.update(int(np.sum(seqs_desc > c)) for c in caps)  # where a scheme stops holding the sequences
+    points = set(np.linspace(0, n, min(n + 1, _even_points(parts))).astype(int).tolist())
+    points.update(int(np.sum(seqs_desc > c)) for c in caps)
     grid = np.array(sorted(points))
-    if parts == 1:
-        return np.zeros((1, 0), dtype=int)
-    if parts == 2:
-        return grid[:, None]
-    first, second = np.meshgrid(grid, grid, indexing="ij")
-    keep = first <= second
-    return np.stack((first[keep], second[keep]), axis=1)
+    rows = np.zeros((1, 0), dtype=int)
+    for _ in range(parts - 1):  # each row extended by every point at or after its last
+        last = rows[:, -1] if rows.shape[1] else np.zeros(1, dtype=int)
+        row, point = np.nonzero(grid[None, :] >= last[:, None])
+        rows = np.concatenate((rows[row], grid[point][:, None]), axis=1)
+    return rows
 
 
 def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -108,7 +124,7 @@ def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> n
         head = np.minimum(lo, n - 1)
         feasible = empty | (s[head] <= t.max_tokens)
         longest = np.where(empty, 0.0, w[head])
-        ms = _type_ms(t, prefix[hi] - prefix[lo], tokens[hi] - tokens[lo], longest,
+        ms = _type_ms(t, prefix[hi] - prefix[lo], tokens[hi] - tokens[lo], longest, (hi - lo).astype(np.float64),
                       counts[:, k:k + 1].astype(np.float64))
         worst = np.maximum(worst, np.where(feasible, ms, np.inf))
     return worst.min(axis=1)

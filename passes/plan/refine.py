@@ -11,7 +11,7 @@ the batch's longest sequence and has at most three schemes. Deterministic: ties 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from passes.plan.pool import fluid_scores
 
 __all__ = ["neighbours", "refine_strategy"]
 
-_MAX_SCHEMES = 3  # the fluid estimate splits a sorted batch into at most three segments
+_MAX_SCHEMES = 3  # mixes of at most three schemes: the fluid estimate's grid coarsens beyond three
 
 
 def neighbours(strategy: Strategy, schemes: Sequence[ParallelScheme], gpus_per_node: int) -> list[Strategy]:
@@ -50,12 +50,17 @@ def neighbours(strategy: Strategy, schemes: Sequence[ParallelScheme], gpus_per_n
 
 def refine_strategy(cost_model: CostModel, start: Strategy, schemes: Sequence[ParallelScheme],
                     seq_lens: Sequence[int], start_score: float | None = None,
-                    rounds: int = 8) -> list[tuple[float, Strategy]]:
-    """A hill climb from ``start`` on the fluid estimate: every strategy it scored (the neighbours of each
-    point it passed), as (estimate, strategy), the best first; the last point of the climb is the first."""
+                    rounds: int = 8, extra: Callable[[Strategy], float] | None = None) -> list[tuple[float, Strategy]]:
+    """A hill climb from ``start`` on the fluid estimate plus ``extra(strategy)`` (the planner's movement
+    charge; ``start_score`` includes it): every strategy it scored (the neighbours of each point it passed),
+    as (estimate, strategy), the best first; the last point of the climb is the first."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     longest = int(lens.max())
-    best_score = start_score if start_score is not None else fluid_scores(cost_model, [start], lens)[0]
+    def scores(strategies: list[Strategy]) -> list[float]:
+        fluid = fluid_scores(cost_model, strategies, lens)
+        return [float(f) + (extra(s) if extra is not None else 0.0) for f, s in zip(fluid, strategies)]
+
+    best_score = start_score if start_score is not None else scores([start])[0]
     seen: dict[Strategy, float] = {start: best_score}
     best = start
     for _ in range(rounds):
@@ -63,7 +68,7 @@ def refine_strategy(cost_model: CostModel, start: Strategy, schemes: Sequence[Pa
                    if s not in seen and max(cost_model.max_tokens(t) for t in s.schemes) >= longest]
         if not options:
             break
-        seen.update(zip(options, fluid_scores(cost_model, options, lens)))
+        seen.update(zip(options, scores(options)))
         score, _, strategy = min((seen[s], s.describe(), s) for s in options)
         if score >= best_score * (1 - 1e-6):
             break

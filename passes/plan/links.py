@@ -1,0 +1,91 @@
+"""The links parameters and gradients cross, as the planner sees them (without torch).
+
+Owns :class:`Links` (GPUs per node, one GPU's bandwidth to a GPU of its node and to one of another node, one
+message's start-up latency) and :data:`LINK_PRESETS`, the links of the GPU presets of
+``passes.graph.hardware`` (the same figures; a test keeps the two equal): NVLink one direction per GPU inside
+a node, one InfiniBand port per GPU between nodes. A profile measured by ``hcompile profile`` carries the
+links it measured (gloo between local processes on a CPU machine: one node, the same bandwidth both ways).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from passes.plan.ir import PlanError
+
+__all__ = ["Links", "LINK_PRESETS", "link_preset"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Links:
+    """One GPU's links: what a message between two ranks costs."""
+
+    gpus_per_node: int
+    """GPUs per node: ranks ``n * gpus_per_node ..`` share node n."""
+    intra_gbps: float
+    """GB/s one direction from a GPU to another of its node (NVLink)."""
+    inter_gbps: float
+    """GB/s one direction from a GPU to one of another node (its network port)."""
+    latency_us: float
+    """Start-up of one message, microseconds."""
+    fresh_gbps: float | None = None
+    """GB/s at which a rank writes newly allocated memory (the movement phases' buffers are new each step);
+    None: not counted (on GPUs the caching allocator reuses them and HBM writes them in microseconds)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise PlanError(f"gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        for name in ("intra_gbps", "inter_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise PlanError(f"{name} must be a finite number > 0 (GB/s), got {value!r}")
+        value = self.latency_us
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise PlanError(f"latency_us must be a finite number >= 0, got {value!r}")
+        value = self.fresh_gbps
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise PlanError(f"fresh_gbps must be None or a finite number > 0 (GB/s), got {value!r}")
+
+    def fresh_ms(self, nbytes: float) -> float:
+        """Milliseconds to write ``nbytes`` of newly allocated memory (0 when not counted)."""
+        return 0.0 if self.fresh_gbps is None else nbytes / (self.fresh_gbps * 1e6)
+
+    def message_ms(self, nbytes: float, same_node: bool, messages: int = 1) -> float:
+        """Milliseconds to send ``nbytes`` in ``messages`` messages over the link between two ranks."""
+        gbps = self.intra_gbps if same_node else self.inter_gbps
+        return messages * self.latency_us * 1e-3 + nbytes / (gbps * 1e6)
+
+    def to_dict(self) -> dict:
+        """The JSON form (a profile's ``hardware`` entries)."""
+        out = {"gpus_per_node": self.gpus_per_node, "intra_gbps": self.intra_gbps, "inter_gbps": self.inter_gbps,
+               "latency_us": self.latency_us}
+        return out if self.fresh_gbps is None else {**out, "fresh_gbps": self.fresh_gbps}
+
+
+_HDR_GBPS = 200 / 8
+"""One 200 Gb/s InfiniBand HDR port per GPU (DGX A100), GB/s one direction."""
+_NDR_GBPS = 400 / 8
+"""One 400 Gb/s InfiniBand NDR port per GPU (DGX H100/H200), GB/s one direction."""
+_LATENCY_US = 10.0
+"""A message's start-up (assumed: the order of a small NCCL transfer)."""
+
+LINK_PRESETS: Mapping[str, Links] = MappingProxyType({
+    "a100-40g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US),
+    "a100-80g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US),
+    "a800-80g": Links(gpus_per_node=8, intra_gbps=200.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US),
+    "h100-80g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US),
+    "h200-141g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US),
+})
+"""Per GPU preset: NVLink one direction (half the datasheets' bidirectional figure) inside a node of eight,
+one InfiniBand port per GPU between nodes."""
+
+
+def link_preset(name: str) -> Links:
+    """The links of the GPU preset ``name``; an unknown name is a PlanError naming the presets."""
+    if name not in LINK_PRESETS:
+        raise PlanError(f"no link preset for hardware {name!r}; known: {', '.join(LINK_PRESETS)}")
+    return LINK_PRESETS[name]

@@ -1,0 +1,96 @@
+"""What a message between two ranks of this job costs, measured with the movement's own pattern.
+
+Owns :func:`probe_links` (collective): every rank sends a message of n bytes to rank + d and receives one from
+rank - d at once, for every d, as ``runtime.redistribute`` moves parameters and gradients, timed per round for a
+few sizes; a least-squares line ``round = latency + n / bandwidth`` over the sizes gives the latency per message
+and the bandwidth one way. The busiest rank's time counts (a round ends when its slowest pair does). It also
+times how fast every rank at once writes freshly allocated memory (a zeroed buffer of the largest size): the
+movement phases' own buffers (the compute copy, its gradient, the receive chunks) are new each step, and on a
+CPU their first touch costs about as much as the transfer. What it measures is whatever the backend uses between
+these ranks: gloo over local sockets on a CPU machine, NCCL over NVLink between the GPUs of one node.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime import distributed as comm
+
+__all__ = ["LinkProbe", "probe_links", "DEFAULT_PROBE_BYTES"]
+
+DEFAULT_PROBE_BYTES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+"""Message sizes probed: 64 KiB to 16 MiB."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkProbe:
+    """The fitted cost of one message, and the measurements behind it."""
+
+    gbps: float
+    """Bandwidth one way, GB/s (10^9 bytes per second)."""
+    latency_us: float
+    """Start-up of one message, microseconds (0 when the fit's intercept is negative)."""
+    fresh_gbps: float
+    """GB/s at which every rank at once writes newly allocated memory (the busiest rank's median)."""
+    round_ms: tuple[tuple[int, float], ...]
+    """(message bytes, median ms of one round on the busiest rank) per size."""
+
+    def to_dict(self) -> dict:
+        return {"gbps": self.gbps, "latency_us": self.latency_us, "fresh_gbps": self.fresh_gbps,
+                "round_ms": [[n, round(ms, 4)] for n, ms in self.round_ms]}
+
+
+def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
+                device: torch.device | str = "cpu") -> LinkProbe:
+    """Collective over every rank of the job (two at least): time the rounds of pairs for each message size
+    in ``sizes`` (bytes, a multiple of 4), ``repeats`` times each after one warm-up, and fit the line."""
+    world, rank = comm.world_size(), comm.rank()
+    if world < 2:
+        raise ValueError("probing links needs at least two ranks")
+    if len(sizes) < 2 or any(n < 4 or n % 4 for n in sizes):
+        raise ValueError(f"need two or more message sizes, positive multiples of 4 bytes, got {sizes!r}")
+    rows = []
+    for nbytes in sizes:
+        out = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        into = torch.empty_like(out)
+        times = []
+        for i in range(repeats + 1):
+            comm.barrier()
+            started = time.perf_counter()
+            for d in range(1, world):
+                comm.exchange([(out, (rank + d) % world)], [(into, (rank - d) % world)])
+            if device != "cpu" and torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = (time.perf_counter() - started) * 1e3 / (world - 1)
+            if i:
+                times.append(elapsed)
+        busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
+        rows.append((nbytes, float(busiest.item())))
+    fresh = _fresh_write_ms(max(sizes), repeats, device)
+    n = np.array([r[0] for r in rows], dtype=np.float64)
+    ms = np.array([r[1] for r in rows])
+    slope, intercept = np.polyfit(n, ms, 1)
+    if slope <= 0:
+        raise RuntimeError(f"the round times {rows} do not grow with the message size: no bandwidth to fit")
+    return LinkProbe(gbps=float(1 / (slope * 1e6)), latency_us=max(0.0, float(intercept) * 1e3),
+                     fresh_gbps=max(sizes) / (fresh * 1e6), round_ms=tuple(rows))
+
+
+def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
+    """The busiest rank's median ms to allocate and zero ``nbytes``, every rank at once."""
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        started = time.perf_counter()
+        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+        del buffer
+    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
+    return float(busiest.item())
