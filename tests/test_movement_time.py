@@ -195,3 +195,19 @@ def test_profile_links_parsed_and_checked():
     del data["hardware"]["latency_us"]
     with pytest.raises(PlanError, match="without latency_us"):
         Profile.from_dict(data, name="half")
+
+
+def test_the_pool_is_chosen_with_the_movement_it_is_charged():
+    from passes.plan.datasets import LengthDataset
+    from passes.plan.pool import build_pool
+
+    model = _cost_model()
+    layout = _llama(list(model.schemes))
+    slow = MovementCost(layout, Links(gpus_per_node=4, intra_gbps=0.01, inter_gbps=0.001, latency_us=10))
+    data = LengthDataset.from_lengths("toy", [100, 200, 300, 900, 50, 80, 1500] * 20, source="test")
+    fixed = Strategy.parse("2x(tp4)")
+    blind = build_pool(model, 8, data, 4000, fixed, seed=0)
+    charged = build_pool(model, 8, data, 4000, fixed, seed=0, extra=slow.exposed_ms)
+    assert blind[0] == Strategy.parse("8x(tp1)")  # compute alone: tp1 is the most efficient
+    assert slow.exposed_ms(charged[0]) < slow.exposed_ms(blind[0])
+    assert charged[0] == Strategy.parse("2x(tp4)")  # a tp4 rank pulls a quarter of the layers

@@ -231,11 +231,14 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     cost_model = build_cost_model(profile, layout, runtime)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
-    pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers)
-    batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
     movement = movement_cost(profile, job.hardware, cost_model)
-    return Planner(cost_model, job.gpus, pool, fixed, movement=movement if job.charge_movement else None), \
-        dataset, batches
+    charged = movement if job.charge_movement else None
+    # the pool sees the movement where the exact replay is cheap (it scores thousands of mixes; 50K at 1024 GPUs)
+    pool_extra = charged.exposed_ms if charged is not None and job.gpus <= charged.exact_up_to else None
+    pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers,
+                      extra=pool_extra)
+    batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
+    return Planner(cost_model, job.gpus, pool, fixed, movement=charged), dataset, batches
 
 
 def movement_cost(profile: Profile, hardware: str, cost_model: CostModel) -> MovementCost | None:

@@ -7,7 +7,8 @@ every two-scheme mix (a "big" scheme that holds the tier, replicas of a smaller 
 counts filling the cluster and TP groups tiling the nodes. The makespan of a mix is estimated in the fluid
 limit: the big replicas take the sequences relatively cheapest for them (the ones only they hold first),
 with the 1F1B warm-up and the per-micro-batch cost included. The pool is the tiers' winners plus the fixed
-homogeneous strategy sized for the dataset's longest sequence.
+homogeneous strategy sized for the dataset's longest sequence. Given ``extra(strategy)`` (the planner's
+movement charge), every mix is scored by its expected makespan plus that.
 """
 
 from __future__ import annotations
@@ -170,16 +171,21 @@ def mixes_of(cost_model: CostModel, gpus: int, types: list[ParallelScheme],
     return out
 
 
+Extra = Callable[[Strategy], float]
+"""What a strategy costs besides its compute, added to its score (the planner's movement charge)."""
+
+
 def _score(cost_model: CostModel, types: list[ParallelScheme], mixes: list[Strategy],
-           batches: list[np.ndarray]) -> list[tuple[float, str, Strategy]]:
+           batches: list[np.ndarray], extra: Extra | None = None) -> list[tuple[float, str, Strategy]]:
     coeffs = [Kind.of(cost_model, t) for t in types]
     counts = np.array([[dict(m.parts).get(t, 0) for t in types] for m in mixes])
     mean = np.asarray(sum(fluid_makespan(coeffs, counts, b) for b in batches)) / len(batches)
-    return [(float(score), m.describe(), m) for score, m in zip(mean, mixes)]
+    return [(float(score) + (extra(m) if extra is not None else 0.0), m.describe(), m)
+            for score, m in zip(mean, mixes)]
 
 
 def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.ndarray],
-                  keep: int) -> list[Strategy]:
+                  keep: int, extra: Extra | None = None) -> list[Strategy]:
     """The ``keep`` best one- or two-scheme strategies for the tier, the best first, after replacing the
     best by its best three-scheme refinement when that is better still."""
     schemes = usable_schemes(cost_model, gpus)
@@ -190,7 +196,7 @@ def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.n
             types = [big] if small is None else [big, small]
             mixes = mixes_of(cost_model, gpus, types, limits=None if small is not None else [])
             if mixes:
-                scored.extend(_score(cost_model, types, mixes, batches))
+                scored.extend(_score(cost_model, types, mixes, batches, extra))
     if not scored:
         raise PlanError(f"no strategy fills {gpus} GPUs with a replica that holds {cap} tokens")
     scored.sort(key=lambda x: x[:2])
@@ -201,15 +207,16 @@ def _tier_winners(cost_model: CostModel, gpus: int, cap: int, batches: list[np.n
             types = [big, middle, small]
             mixes = mixes_of(cost_model, gpus, types, limits=[dict(best[2].parts)[big], 4])
             if mixes:
-                best = min([best, *_score(cost_model, types, mixes, batches)], key=lambda x: x[:2])
+                best = min([best, *_score(cost_model, types, mixes, batches, extra)], key=lambda x: x[:2])
     return [best[2]] + [x[2] for x in scored[:keep] if x[2] != best[2]][: keep - 1]
 
 
 def build_pool(cost_model: CostModel, gpus: int, dataset: LengthDataset, global_tokens: int, fixed: Strategy,
                seed: int = 0, batches_per_tier: int | None = None, per_tier: int = 2,
-               progress: Callable[[int, int], None] | None = None) -> list[Strategy]:
+               progress: Callable[[int, int], None] | None = None, extra: Extra | None = None) -> list[Strategy]:
     """The pool: the ``per_tier`` best strategies of each length tier that the data reaches, plus ``fixed``;
-    deterministic per seed. ``progress(done, total)`` is called as each tier is done."""
+    deterministic per seed. ``progress(done, total)`` is called as each tier is done; ``extra(strategy)`` is
+    added to every mix's score."""
     caps = tier_caps(cost_model, gpus, dataset.max_len)
     if batches_per_tier is None:  # fewer draws when each batch is large: the estimate averages more sequences
         per_batch = max(1.0, global_tokens / dataset.mean_len)
@@ -220,7 +227,7 @@ def build_pool(cost_model: CostModel, gpus: int, dataset: LengthDataset, global_
     for done, cap in enumerate(caps, 1):
         batches = conditional_batches(dataset, global_tokens, low, cap, batches_per_tier, rng)
         if batches:
-            for winner in _tier_winners(cost_model, gpus, cap, batches, per_tier):
+            for winner in _tier_winners(cost_model, gpus, cap, batches, per_tier, extra):
                 if winner not in pool:
                     pool.append(winner)
         low = cap
