@@ -9,8 +9,12 @@ stamped with commit, device and config, and the plots (``benchmarks/e2e_plots.py
 Per policy: tokens per second (wall clock); the step time with one core per rank (the largest per-rank busy
 time: the CPU time of the rank's computing thread and of its communication threads over the forward and
 backward, ``runtime.cpu_clock``; the computing thread alone is reported beside it); balance (largest over
-mean per-rank busy time); the cost model's prediction of the step as executed (micro-batches padded to their
-bucket) over the measured one; compilations after warm-up; parameter and gradient bytes moved per step;
+mean per-rank busy time); the prediction of the step over the measured one (``pred_over_measured``): the cost
+model's compute as executed (micro-batches padded to their bucket) plus the planner's replay of the
+parameter and gradient movement on the profiled links, over the one-core compute plus the measured movement
+(the slowest rank's pull and the push of the rank that reached it last); the compute part alone is
+``pred_over_measured_compute`` (what ``pred/meas`` was before commit 82055f5), the movement part alone
+``movement_pred_over_measured``; compilations after warm-up; parameter and gradient bytes moved per step;
 planning time and whether it was hidden behind the previous step. Bad input exits with status 2 and a
 one-line message.
 """
@@ -23,7 +27,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,7 @@ from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
 from passes.plan.cost_model import load_profile_file
 from passes.plan.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
 from passes.plan.ir import CostModel, ParallelScheme, PlanError
+from passes.plan.links import Links
 from passes.plan.policies import POLICIES
 
 __all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table", "format_cost_model", "main"]
@@ -160,15 +165,16 @@ def _check_fits(cfg: E2EConfig, data: LengthDataset) -> None:
                         f"{cfg.tokens_per_rank} tokens; raise --tokens-per-rank or lower --context")
 
 
-def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[CostModel, dict]:
-    """The planner's cost model and where it came from (a fresh profile is written under ``out``)."""
+def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[CostModel, dict, Links | None]:
+    """The planner's cost model, where it came from (a fresh profile is written under ``out``), and the links
+    the profile measured (None for the analytic model or a profile without them)."""
     schemes = [ParallelScheme(tp=tp) for tp in cfg.tps]
     if cfg.cost == "analytic":
         from hcompile.api import CompiledModel
         from hcompile.tools.profile import build_model
 
         captured = CompiledModel(build_model(cfg.model)).captured(ANALYSIS_TOKENS).graph_module
-        return default_cost_model(captured, cfg.model, cfg.ranks, cfg.tokens_per_rank), {"cost": "analytic"}
+        return default_cost_model(captured, cfg.model, cfg.ranks, cfg.tokens_per_rank), {"cost": "analytic"}, None
     if cfg.cost == "profile":
         job = ProfileJob(model=cfg.model, tps=cfg.tps, tokens_per_rank=cfg.tokens_per_rank, gpus=cfg.ranks,
                          seed=cfg.seed)
@@ -181,7 +187,8 @@ def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[Co
                        for f in report.fits}
     else:
         profile, info = load_profile_file(cfg.cost), {"cost": "file", "profile_file": cfg.cost}
-    return cost_model_from_profile(profile, cfg.tokens_per_rank, schemes, gpus_per_node=cfg.ranks), info
+    links = None if profile.links is None else replace(profile.links, gpus_per_node=cfg.ranks)
+    return cost_model_from_profile(profile, cfg.tokens_per_rank, schemes, gpus_per_node=cfg.ranks), info, links
 
 
 def text_batches(cfg: E2EConfig) -> tuple[LengthDataset, list[list[list[int]]]]:
@@ -206,13 +213,13 @@ def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("result
         data, tokens = scale_dataset(load_dataset(cfg.dataset), cfg.context), None
         batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
     _check_fits(cfg, data)
-    cost_model, cost_info = build_cost_model(cfg, show_progress, out)
+    cost_model, cost_info, links = build_cost_model(cfg, show_progress, out)
     buckets = token_buckets(cfg.tokens_per_rank * max(cfg.tps))
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
                   tokens=None if tokens is None else tuple(tuple(map(tuple, b)) for b in tokens),
                   warmup=cfg.warmup, tokens_per_rank=cfg.tokens_per_rank, buckets=buckets.sizes, cost_model=cost_model,
                   dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns,
-                  compile_backend=cfg.compile_backend)
+                  compile_backend=cfg.compile_backend, links=links)
     started = time.perf_counter()
     records = run_local_ranks(cfg.ranks, rank_main, job, timeout_s=cfg.timeout_s)[0]
     return {"config": {**asdict(cfg), "policies": list(cfg.policies), "tps": list(cfg.tps),
@@ -227,6 +234,12 @@ def _policy_summary(rec: dict) -> dict:
     steps = rec["steps"]
     busy = [np.asarray(s["busy_ms"]) for s in steps]
     one_core = [float(b.max()) for b in busy]
+    # movement: the slowest pull, and the push of the rank that reached it last (the others' include their wait)
+    measured_move = [max(s["pull_ms"]) + min(s["push_ms"]) for s in steps]
+    moved = all(s.get("pred_pull_ms") is not None for s in steps)
+    pred_move = [s["pred_pull_ms"] + s["pred_push_ms"] if moved else 0.0 for s in steps]
+    step_ratios = [(s["pred_ms"] + p) / (m + (q if moved else 0.0))
+                   for s, m, p, q in zip(steps, one_core, pred_move, measured_move)]
     tokens = sum(s["tokens"] for s in steps)
     strategies: dict[str, int] = {}
     for s in steps:
@@ -236,8 +249,12 @@ def _policy_summary(rec: dict) -> dict:
         "step_ms_one_core_per_rank": float(np.mean(one_core)),
         "step_ms_compute_thread": float(np.mean([max(s["compute_thread_ms"]) for s in steps])),
         "balance": float(np.mean([b.max() / b.mean() for b in busy])),
-        "pred_over_measured": float(np.mean([s["pred_ms"] / m for s, m in zip(steps, one_core)])),
-        "pred_over_measured_per_step": [round(s["pred_ms"] / m, 4) for s, m in zip(steps, one_core)],
+        "pred_over_measured": float(np.mean(step_ratios)),
+        "pred_over_measured_per_step": [round(r, 4) for r in step_ratios],
+        "pred_over_measured_compute": float(np.mean([s["pred_ms"] / m for s, m in zip(steps, one_core)])),
+        "movement_ms": float(np.mean(measured_move)),
+        "movement_pred_over_measured": (float(np.mean([p / m for p, m in zip(pred_move, measured_move)]))
+                                        if moved else None),
         "plan_est_over_measured": float(np.mean([s["est_ms"] / m for s, m in zip(steps, one_core)])),
         "compilations_after_warmup": int(rec["compilations_after_warmup"]),
         "param_bytes_received": int(np.mean([s["param_bytes_received"] for s in steps])),

@@ -16,6 +16,7 @@ import torch
 from passes.graph.variant import TokenBuckets
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, StepPlan
+from passes.plan.links import Links
 
 __all__ = ["RankJob", "rank_main", "predicted_ms"]
 
@@ -52,6 +53,9 @@ class RankJob:
     """torch.compile backend of the variants."""
     take_turns: bool = False
     """Replicas compute one after the other within a step (``Executor.take_turns``)."""
+    links: Links | None = None
+    """The links the profile measured between these ranks, on which the planner's movement time is predicted
+    (None: the ranks probe them first, ``runtime.link_probe``)."""
 
 
 def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -> list[float]:
@@ -69,8 +73,12 @@ def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for lens in job.batches]
 
 
-def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[float]) -> dict:
+def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[float], movement) -> dict:
+    moved = None if movement is None else movement.time(plan.strategy)
     return {
+        "pull_ms": list(stats.pull_ms), "push_ms": list(stats.push_ms),
+        "pred_pull_ms": None if moved is None else moved.pull_ms,
+        "pred_push_ms": None if moved is None else moved.push_ms,
         "step": step, "loss": stats.loss, "tokens": stats.tokens, "strategy": stats.strategy,
         "busy_ms": list(stats.busy_ms), "compute_thread_ms": list(stats.compute_thread_ms), "wall_ms": wall_ms,
         "compilations": stats.compilations,
@@ -100,7 +108,17 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
     strategies = [planner.fixed] if baseline else list(planner.pool) + [planner.fixed]
     trainer.warm_up(strategies)  # every variant these strategies can ask of this rank
     builds = trainer.lowerings.compilations()
-    return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool],
+    movement = None
+    if job.links is not None:  # the planner's replay of this runtime's movement, on the profiled links
+        from hcompile.cost import compute_layout
+        from passes.plan.movement import MovementCost
+
+        schemes = sorted({s for strategy in strategies for s in strategy.schemes})
+        size = torch.empty((), dtype=trainer.executor.param_dtype).element_size()
+        reduce = torch.empty((), dtype=trainer.executor.reduce_dtype).element_size()
+        movement = MovementCost(compute_layout(trainer.lowerings, trainer.layout, schemes), job.links,
+                                param_bytes=size, reduce_bytes=reduce, chunk_numel=trainer.executor.chunk_numel)
+    return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool], "movement": movement,
             "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
             "builds_before_steps": builds, "warm_compilations": builds, "steps": [],
             "batches": iter(_token_batches(job))}
@@ -115,7 +133,8 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     if i == job.warmup - 1:
         state["warm_compilations"] = stats.compilations
     if i >= job.warmup:
-        record = _step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"]))
+        record = _step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"]),
+                              state["movement"])
         if trainer.calibration is not None:  # rank 0: the factors the next plans use
             record["calibration"] = {s.describe(): round(f, 4) for s, f in trainer.calibration.factors.items()}
         state["steps"].append(record)
@@ -135,6 +154,13 @@ def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
         if rank == 0 and job.show_progress:
             progress_bar(f"e2e {label} x policies", done, total)
 
+    if job.links is None:  # the cost model came without links: probe them here, as hcompile profile does
+        from runtime.link_probe import probe_links
+
+        probe = probe_links()
+        job = dataclasses.replace(job, links=Links(gpus_per_node=world, intra_gbps=probe.gbps,
+                                                   inter_gbps=probe.gbps, latency_us=probe.latency_us,
+                                                   fresh_gbps=probe.fresh_gbps))
     states = {policy: _setup_policy(job, compiled, policy) for policy in job.policies}
     for i in range(len(data)):  # policies interleaved step by step, so that background load hits them alike
         for k, state in enumerate(states.values()):

@@ -68,6 +68,12 @@ class StepStats:
     skipped: bool = False
     """The global batch had no next-token pair (only 1-token sequences): nothing ran, nothing changed (no
     optimiser step), ``loss`` is 0."""
+    pull_ms: tuple[float, ...] = ()
+    """Per rank: its pull phase (parameters from their owners and the new buffers), ms: CUDA events on a GPU,
+    wall clock on the CPU."""
+    push_ms: tuple[float, ...] = ()
+    """Per rank: its push phase (gradients to their owners), ms, timed alike; a rank that reaches it early
+    includes its wait for the later ones (0 in a dry run)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -100,6 +106,33 @@ class PhaseHook(Protocol):
 
     def __call__(self, phase: str, step: StepState) -> None:
         ...
+
+
+class _Span:
+    """Elapsed time between ``start`` and ``stop``: CUDA events on a GPU (read once the step is over), the wall
+    clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.ms = 0.0
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.started = time.perf_counter()
+
+    def stop(self) -> "_Span":
+        if self.cuda:
+            self.end.record()
+        else:
+            self.ms = (time.perf_counter() - self.started) * 1e3
+        return self
+
+    def read(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end)
+        return self.ms
 
 
 class _BusyClock:
@@ -137,11 +170,19 @@ class StepMeter:
         self._started = 0.0
         self._window = (0.0, 0.0)
         self._clock: _BusyClock | None = None
+        self._pull: _Span | None = None
+        self._push: _Span | None = None
 
     def __call__(self, phase: str, step: StepState) -> None:
         if phase == "pull":
             self._started = time.perf_counter()
+            self._pull, self._push = _Span(self.device), None
+        elif phase == "push":
+            self._push = _Span(self.device)
+        elif phase == "optimizer" and self._push is not None:
+            self._push.stop()
         elif phase == "compute":
+            self._pull.stop()
             self._clock = _BusyClock(self.cpu_clock, self.device)
             self._window = (time.perf_counter(), 0.0)
         elif phase == "computed":
@@ -152,9 +193,12 @@ class StepMeter:
 
     def _gather(self, step: StepState) -> StepStats:
         busy_ms, thread_ms = self._clock.read()  # after the step: a CUDA event is read once, here
+        pull_ms = self._pull.read()
+        push_ms = self._push.read() if self._push is not None else 0.0
         counted = step.loss_sum
         summary = torch.cat([counted.reshape(1).double(), torch.tensor(
-            [busy_ms, float(step.tokens_computed), thread_ms], dtype=torch.float64, device=counted.device)])
+            [busy_ms, float(step.tokens_computed), thread_ms, pull_ms, push_ms], dtype=torch.float64,
+            device=counted.device)])
         gathered = torch.stack(comm.all_gather(summary)).cpu().tolist()
         plan = step.plan
         return StepStats(
@@ -162,7 +206,7 @@ class StepMeter:
             strategy=plan.strategy.describe(), busy_ms=tuple(g[1] for g in gathered),
             wall_ms=(time.perf_counter() - self._started) * 1e3, compilations=0, traffic=step.traffic,
             tokens_computed=tuple(int(g[2]) for g in gathered), compute_thread_ms=tuple(g[3] for g in gathered),
-            compute_window=self._window)
+            compute_window=self._window, pull_ms=tuple(g[4] for g in gathered), push_ms=tuple(g[5] for g in gathered))
 
 
 class TakeTurns:

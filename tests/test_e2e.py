@@ -46,12 +46,18 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
         assert 0 < metrics["step_ms_compute_thread"] <= metrics["step_ms_one_core_per_rank"] * 1.05
         assert metrics["balance"] >= 1.0 and metrics["pred_over_measured"] > 0
         assert len(metrics["pred_over_measured_per_step"]) == 2
+        # the prediction includes the movement, replayed on the links the profile probed, and it is measured
+        assert metrics["pred_over_measured_compute"] > 0 and metrics["movement_ms"] > 0
+        assert metrics["movement_pred_over_measured"] > 0
         assert metrics["compilations_after_warmup"] == 0
         assert metrics["param_bytes_received"] > 0 and metrics["grad_bytes_sent"] > 0
     lines = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
     assert {line["kind"] for line in lines} == {"step", "summary"}
     assert all({"commit", "device", "config"} <= set(line) for line in lines)
     steps = [line for line in lines if line["kind"] == "step"]
+    for step in steps:
+        assert len(step["pull_ms"]) == len(step["push_ms"]) == 2 and min(step["pull_ms"]) > 0
+        assert step["pred_pull_ms"] > 0 and step["pred_push_ms"] > 0
     # the same batches for every policy
     tokens = {p: [s["tokens"] for s in steps if s["policy"] == p] for p in summary["policies"]}
     assert tokens["hydraulis"] == tokens["homogeneous-token"]

@@ -326,7 +326,8 @@ class ProfileReport:
         cfg = CPU_MODELS[self.job.model]
         links = {} if self.links is None else {
             "intra_gbps": round(self.links.gbps, 4), "latency_us": round(self.links.latency_us, 2),
-            "inter_gbps": round(self.network_gbps or self.links.gbps, 4)}
+            "inter_gbps": round(self.network_gbps or self.links.gbps, 4),
+            **({} if self.job.device == "cuda" else {"fresh_gbps": round(self.links.fresh_gbps, 4)})}
         return {
             "hardware": {"name": self.job.device, "gpu": self.device, "gpus_per_node": self.job.gpus,
                          "memory_bound_mib": bound_mib, "reserved_mib_per_gpu": 0.0, **links},

@@ -197,18 +197,20 @@ class Profile:
 
 
 def _links(hw: dict, label: str) -> Links | None:
-    """The measured links of a profile's ``hardware`` entry (``intra_gbps``, ``inter_gbps``, ``latency_us``),
-    None when it has none."""
+    """The measured links of a profile's ``hardware`` entry (``intra_gbps``, ``inter_gbps``, ``latency_us``, and
+    ``fresh_gbps`` where new memory is slow to write: CPU machines), None when it has none."""
     names = ("intra_gbps", "inter_gbps", "latency_us")
     if not any(n in hw for n in names):
         return None
     missing = [n for n in names if n not in hw]
     if missing:
         raise PlanError(f"profile {label}: the hardware entry gives links without {', '.join(missing)}")
+    fresh = _finite(hw["fresh_gbps"], "fresh_gbps", label, positive=True) if "fresh_gbps" in hw else None
     return Links(gpus_per_node=_whole(hw["gpus_per_node"], "gpus_per_node", label),
                  intra_gbps=_finite(hw["intra_gbps"], "intra_gbps", label, positive=True),
                  inter_gbps=_finite(hw["inter_gbps"], "inter_gbps", label, positive=True),
-                 latency_us=_finite(hw["latency_us"], "latency_us", label))
+                 latency_us=_finite(hw["latency_us"], "latency_us", label),
+                 fresh_gbps=fresh)
 
 
 def _whole(value: object, field: str, where: str) -> int:
