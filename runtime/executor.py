@@ -127,6 +127,7 @@ class Executor:
         with record_function("hydraulis.pull_params"):
             step.traffic = move.pull(self.layout, params.materialize())
         params.zero_grads()
+        self._phase("pulled", step)
         self._phase("compute", step)
         pairs = global_pair_count(plan.seq_lens)
         micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in ranks.micro_batches]

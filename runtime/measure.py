@@ -24,8 +24,9 @@ from runtime.redistribute import Traffic
 
 __all__ = ["PHASES", "PhaseHook", "StepState", "StepStats", "StepMeter", "TakeTurns"]
 
-PHASES = ("pull", "compute", "computed", "push", "optimizer", "end")
-"""A step's phases in order (a dry run has no ``push`` nor ``optimizer``). Hooks entering a phase run in the
+PHASES = ("pull", "pulled", "compute", "computed", "push", "optimizer", "end")
+"""A step's phases in order (a dry run has no ``push`` nor ``optimizer``); ``pulled``: the parameters are in
+place and the gradient buffer is ready, before any hook at ``compute`` waits (for its replica's turn). Hooks entering a phase run in the
 order they were added; at ``computed``, which closes the compute window, in the reverse order, so that a
 hook opened first is closed last."""
 
@@ -181,8 +182,9 @@ class StepMeter:
             self._push = _Span(self.device)
         elif phase == "optimizer" and self._push is not None:
             self._push.stop()
-        elif phase == "compute":
+        elif phase == "pulled":
             self._pull.stop()
+        elif phase == "compute":
             self._clock = _BusyClock(self.cpu_clock, self.device)
             self._window = (time.perf_counter(), 0.0)
         elif phase == "computed":
