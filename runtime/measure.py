@@ -25,10 +25,10 @@ from runtime.redistribute import Traffic
 __all__ = ["PHASES", "PhaseHook", "StepState", "StepStats", "StepMeter", "TakeTurns"]
 
 PHASES = ("pull", "pulled", "compute", "computed", "push", "optimizer", "end")
-"""A step's phases in order (a dry run has no ``push`` nor ``optimizer``); ``pulled``: the parameters are in
-place and the gradient buffer is ready, before any hook at ``compute`` waits (for its replica's turn). Hooks entering a phase run in the
-order they were added; at ``computed``, which closes the compute window, in the reverse order, so that a
-hook opened first is closed last."""
+"""A step's phases in order (a dry run has no ``push`` nor ``optimizer``); ``pulled``: the parameters are in place
+and the gradient buffer is ready, before any hook at ``compute`` waits (for its replica's turn). Hooks entering
+a phase run in the order they were added; at ``computed``, which closes the compute window, in the reverse
+order, so that a hook opened first is closed last."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
