@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from partitions import partitions
 
 from passes.plan.bounds import bound_terms, lower_bound_ms
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
@@ -25,18 +26,6 @@ SCHEMES = [ParallelScheme(tp=1), ParallelScheme(tp=2), ParallelScheme(tp=4), Par
            ParallelScheme(tp=2, pp=2), ParallelScheme(tp=1, pp=4)]
 
 
-def _partitions(items: list[int]):
-    """Every split of ``items`` into non-empty groups."""
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for groups in _partitions(rest):
-        yield [[first], *groups]
-        for k in range(len(groups)):
-            yield [*groups[:k], [first, *groups[k]], *groups[k + 1:]]
-
-
 def exhaustive_optimum(cost_model: CostModel, gpus: int, seq_lens: list[int]) -> float:
     """The least makespan over every plan, written from the cost model's definition alone: the sequences split
     into replicas, each of a scheme (at most ``gpus`` GPUs in all), each replica's sequences split into
@@ -50,7 +39,7 @@ def exhaustive_optimum(cost_model: CostModel, gpus: int, seq_lens: list[int]) ->
         if max(lens) > e.max_tokens:
             return math.inf
         best = math.inf
-        for groups in _partitions(list(lens)):
+        for groups in partitions(list(lens)):
             if any(sum(g) > e.max_tokens for g in groups):
                 continue
             times = [sum(e.a * s * s + e.b * s for s in g) + e.c for g in groups]
@@ -58,7 +47,7 @@ def exhaustive_optimum(cost_model: CostModel, gpus: int, seq_lens: list[int]) ->
         return best
 
     best = math.inf
-    for replicas in _partitions(list(range(len(seq_lens)))):
+    for replicas in partitions(list(range(len(seq_lens)))):
         blocks = [tuple(sorted(seq_lens[i] for i in r)) for r in replicas]
         for schemes in itertools.product(costs, repeat=len(blocks)):
             if sum(s.gpus for s in schemes) <= gpus:

@@ -5,28 +5,17 @@ import math
 
 import numpy as np
 import pytest
+from partitions import partitions
 
 from passes.plan.assign import Kind, dispatch, first_fit, pack_fewest_bins, pack_replica
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
 from passes.plan.pool import fluid_estimate
 
 
-def _splits(items: list[int]):
-    """Every split of ``items`` into non-empty groups."""
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for groups in _splits(rest):
-        yield [[first], *groups]
-        for k in range(len(groups)):
-            yield [*groups[:k], [first, *groups[k]], *groups[k + 1:]]
-
-
 def best_packing_ms(kind: Kind, seq_lens: list[int]) -> float:
     """The least 1F1B time of one replica over every split of its sequences into micro-batches."""
     best = math.inf
-    for groups in _splits(seq_lens):
+    for groups in partitions(seq_lens):
         if all(sum(g) <= kind.max_tokens for g in groups):
             times = [sum(kind.seq_ms(s) for s in g) + kind.c for g in groups]
             best = min(best, sum(times) + (kind.pp - 1) * max(times))
