@@ -305,9 +305,10 @@ class MovementCost:
             recv[r] += (on_node[node[r]] - column[r]) * intra + (column.sum() - on_node[node[r]]) * inter
             recv_msgs[r] += holds.sum() - holds[r]
             here = np.bincount(node[r], minlength=nodes)  # ranks of this place per node
-            same = here[node] - np.isin(np.arange(world), r)  # other ranks of this place on owner k's node
+            is_place = np.isin(np.arange(world), r)  # owner k is itself a rank of this place
+            same = here[node] - is_place  # other ranks of this place on owner k's node
             send += column * (same * intra + (len(ranks) - here[node]) * inter)
-            send_msgs += holds * (len(ranks) - np.isin(np.arange(world), r))
+            send_msgs += holds * (len(ranks) - is_place)
         latency = self.links.latency_us * 1e-3
         return sum(float(np.max(np.maximum(recv * b + recv_msgs * latency, send * b + send_msgs * latency)))
                    for b in (self.param_bytes, self.reduce_bytes))
