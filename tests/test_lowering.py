@@ -61,3 +61,40 @@ def test_an_option_that_names_no_pass_is_refused():
     ctx = PassContext(scheme=ParallelScheme(pp=2), options={"split_pipeline_pass.seq_len": 2048})
     out, records = run_passes(gm, [split_pipeline_pass], ctx)
     assert records[0].modified and torch.fx.GraphModule in type(out).__mro__
+
+
+@pytest.mark.parametrize("scheme", [ParallelScheme(), ParallelScheme(pp=2)])
+def test_a_stage_cut_into_pieces_computes_what_the_whole_stage_does(scheme):
+    """Before: one stage graph. Expected: the same outputs and gradients from its pieces run in turn, each piece
+    asking the gate for exactly the parameters it reads, every parameter asked for before it is read."""
+    model = init_weights_(GPT(GPTConfig(layers=3)), seed=3)
+    captured = hcompile.compile(model).captured(16).graph_module
+    whole = decide_lowerings(captured, scheme)
+    cut = decide_lowerings(captured, scheme, pieces=3)
+    g = torch.Generator().manual_seed(0)
+    ids, cu = torch.randint(0, GPTConfig().vocab, (16,), generator=g), torch.tensor([0, 9, 16], dtype=torch.int32)
+    boundary: tuple = ()
+    for stage in range(scheme.pp):
+        assert whole[stage].pieces is None and len(cut[stage].pieces.stages) == 3
+        one, pieces = apply_lowering(whole[stage], captured, 16), apply_lowering(cut[stage], captured, 16)
+        params = {sl.name: torch.nn.Parameter(torch.randn(sl.local_shape, generator=g)) for sl in one.params}
+        one.bind_(params)
+        pieces.bind_(params)
+        asked: list[tuple[str, ...]] = []
+        pieces.gate[0] = asked.append
+        want = one(ids, cu, *boundary)
+        got = pieces(ids, cu, *boundary)
+        assert len(asked) == 3 and sorted({n for names in asked for n in names}) == sorted(params)
+        assert [set(names) for names in asked] == [set(n) for n in pieces.piece_params]
+        for w, o in zip(want, got):
+            torch.testing.assert_close(o, w)
+        grads = []
+        for out in (want, got):
+            for p in params.values():
+                p.grad = None
+            sum(t.float().sum() for t in out if t.is_floating_point()).backward(retain_graph=True)
+            grads.append({n: p.grad.clone() for n, p in params.items() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys() and grads[0]
+        for n in grads[0]:
+            torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
+        boundary = tuple(t.detach() for t in want)

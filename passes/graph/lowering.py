@@ -11,8 +11,9 @@ the Parameters the runtime binds once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -20,7 +21,13 @@ from torch import fx, nn
 from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, propagate_vals, run_passes
-from passes.graph.pipeline_split import PipelinePlan, decide_pipeline_split, split_pipeline_pass
+from passes.graph.pipeline_split import (
+    PipelinePlan,
+    costed_nodes,
+    cut_graph,
+    decide_pipeline_split,
+    split_pipeline_pass,
+)
 from passes.graph.tensor_parallel import (
     ParamSlice,
     TensorParallelPlan,
@@ -62,6 +69,9 @@ class Lowering:
     """Values received from the previous stage."""
     boundary_out: tuple[str, ...]
     """Values the stage returns (the last stage: the model's outputs, the logits first)."""
+    pieces: PipelinePlan | None = None
+    """The stage cut into pieces run one after the other, so that the parameters of a later piece can arrive
+    while an earlier one computes (overlapped movement); None: one piece."""
 
     def describe(self) -> str:
         """E.g. ``(tp2,pp2)/stage1/tp-rank0: 14 parameters, in [...], out [...]``."""
@@ -114,12 +124,13 @@ def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: in
 
 def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0,
                      tp_group: str | None = None, attention_kernel: str = "auto", vocab_parallel: bool = False,
-                     cost_tokens: int | None = None) -> tuple[Lowering, ...]:
+                     cost_tokens: int | None = None, pieces: int = 1) -> tuple[Lowering, ...]:
     """One :class:`Lowering` per pipeline stage of ``scheme`` for TP rank ``tp_rank``, decided on ``analysed``
     (any capture of the model): the tensor-parallel plan on its canonical form, the pipeline cut on its
     tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
     micro-batch the scheme runs; None: the capture's own tokens). ``vocab_parallel``: split the token
-    embedding and LM head by vocabulary rows when tp > 1."""
+    embedding and LM head by vocabulary rows when tp > 1. ``pieces``: cut each stage into this many pieces of
+    about equal cost (at most one per costed node) for overlapped movement."""
     gm, _ = run_passes(copy_graph_module(analysed), CANONICAL_PASSES, PassContext())
     tensor_parallel = None
     if scheme.tp > 1:
@@ -133,7 +144,16 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
         pipeline = decide_pipeline_split(gm, scheme.pp, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
     lowered = lower_graph(analysed, scheme, tp_rank=tp_rank, tp_group=tp_group, attention_kernel=attention_kernel,
                           tensor_parallel=tensor_parallel, pipeline=pipeline)
-    return tuple(_stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline) for s in range(scheme.pp))
+    out = []
+    for s in range(scheme.pp):
+        lowering = _stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline)
+        stage_gm = _stage_module(lowered.graph_module, pipeline, s)
+        count = min(pieces, costed_nodes(stage_gm))
+        if count > 1:
+            cut = decide_pipeline_split(stage_gm, count, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
+            lowering = dataclasses.replace(lowering, pieces=cut)
+        out.append(lowering)
+    return tuple(out)
 
 
 def _stage_lowering(lowered: Lowered, scheme: ParallelScheme, stage: int, tp_rank: int,
@@ -172,13 +192,40 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
                           pipeline=lowering.pipeline)
     stage_gm = _stage_module(lowered.graph_module, lowering.pipeline, lowering.stage)
     counter = CompileCounter(compile_backend)
-    # "eager" compiles nothing: the rewritten graph runs as it is (dynamo would only trace it); any other backend
-    # compiles the stage once per bucket, its sequence count dynamic
-    compiled = stage_gm if compile_backend == "eager" else torch.compile(stage_gm, backend=counter, dynamic=False,
-                                                                          fullgraph=True)
-    return Variant(key=key, tp_rank=lowering.tp_rank, graph_module=stage_gm, params=lowering.params,
+
+    def compile_(gm: fx.GraphModule) -> Callable:
+        # "eager" compiles nothing: the rewritten graph runs as it is (dynamo would only trace it); any other
+        # backend compiles once per bucket, the sequence count dynamic
+        if compile_backend == "eager":
+            return gm
+        return torch.compile(gm, backend=counter, dynamic=False, fullgraph=True)
+
+    variant = dict(key=key, tp_rank=lowering.tp_rank, graph_module=stage_gm, params=lowering.params,
                    inputs=lowering.inputs, boundary_in=lowering.boundary_in, boundary_out=lowering.boundary_out,
-                   records=lowered.records, counter=counter, compiled=compiled)
+                   records=lowered.records, counter=counter)
+    if lowering.pieces is None:
+        return Variant(**variant, compiled=compile_(stage_gm))
+    composed = cut_graph(stage_gm, lowering.pieces)
+    gate: list = [None]
+    pieces = tuple(getattr(composed, f"stage_{i}") for i in range(len(lowering.pieces.stages)))
+    names = tuple(tuple(n for n, _ in piece.named_parameters()) for piece in pieces)
+    for i, (piece, read) in enumerate(zip(pieces, names)):
+        setattr(composed, f"stage_{i}", _Piece(compile_(piece), read, gate))
+    return Variant(**variant, compiled=composed, pieces=pieces, piece_params=names, gate=gate)
+
+
+class _Piece(nn.Module):
+    """One piece of a stage cut for overlapped movement: asks the gate for the parameters it reads (when one is
+    set), then runs (compiled on its own)."""
+
+    def __init__(self, run: Callable, reads: Sequence[str], gate: list):
+        super().__init__()
+        self._run, self.reads, self.gate = (run,), tuple(reads), gate  # a tuple: not registered as a submodule
+
+    def forward(self, *args):
+        if self.gate[0] is not None:
+            self.gate[0](self.reads)
+        return self._run[0](*args)
 
 
 class LoweringCache:
@@ -193,7 +240,11 @@ class LoweringCache:
     def __init__(self, capture: Callable[[int], fx.GraphModule], buckets: TokenBuckets, *, kernel: str = "auto",
                  compile_backend: str = "eager", buffers: Mapping[str, torch.Tensor] | None = None,
                  cost_tokens: Callable[[ParallelScheme], int] | None = None, vocab_parallel: bool = False,
-                 model_name: str = "the model"):
+                 model_name: str = "the model", pieces: int = 1):
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+            raise ValueError(f"pieces must be a positive integer, got {pieces!r}")
+        self.pieces = pieces
+        """Pieces each stage is cut into for overlapped movement (1: not cut)."""
         self.capture, self.buckets, self.kernel, self.compile_backend = capture, buckets, kernel, compile_backend
         self.buffers = dict(buffers or {})
         self.cost_tokens, self.vocab_parallel, self.model_name = cost_tokens, vocab_parallel, model_name
@@ -208,7 +259,7 @@ class LoweringCache:
             self._lowerings[key] = decide_lowerings(
                 self.capture(self.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=tp_group,
                 attention_kernel=self.kernel, vocab_parallel=self.vocab_parallel,
-                cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None)
+                cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None, pieces=self.pieces)
         return self._lowerings[key][stage]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int = 0,
@@ -249,6 +300,10 @@ class StageVariants:
 
     def __init__(self, cache: LoweringCache, lowering: Lowering, tp_group: str | None):
         self.cache, self.lowering, self.tp_group = cache, lowering, tp_group
+        self.gate: Callable[[Sequence[str]], None] | None = None
+        """When set (by the runtime, for a step's first forward), called with the names of the parameters the
+        stage is about to read, before it reads them: before each piece of a stage cut into pieces, else once
+        with every parameter before the stage runs."""
         self.param_slices: dict[str, ParamSlice] = {sl.name: sl for sl in lowering.params}
         self._params: dict[str, nn.Parameter] | None = None
         self._bound: set[int] = set()
@@ -293,6 +348,9 @@ class StageVariants:
         (T, vocab) of the real tokens on the last stage."""
         total = int(input_ids.shape[0])
         variant = self._variant(self.cache.buckets.bucket_for(total))
+        if self.gate is not None and not variant.pieces:
+            self.gate(tuple(self.param_slices))
+        variant.gate[0] = self.gate
         outs = variant(input_ids, cu_seqlens, *boundary)
         if self.lowering.stage == self.lowering.scheme.pp - 1:
             return (variant.logits(outs, total),)

@@ -22,8 +22,8 @@ from torch import fx, nn
 from passes.graph.analyze import node_flops
 from passes.graph.pass_runner import PassContext, PassError, PassResult
 
-__all__ = ["PipelinePlan", "StageSpec", "decide_pipeline_split", "check_cut_fits", "split_pipeline_pass",
-           "graph_to_networkx"]
+__all__ = ["PipelinePlan", "StageSpec", "decide_pipeline_split", "check_cut_fits", "cut_graph", "split_pipeline_pass",
+           "graph_to_networkx", "costed_nodes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +130,11 @@ def _choose_cuts(costs: list[float], crossing: list[int], pp: int, tolerance: fl
         cuts.append(best)
         last = best
     return cuts
+
+
+def costed_nodes(gm: fx.GraphModule) -> int:
+    """How many of ``gm``'s nodes carry a cost (linears, attention): the most pieces it can be cut into."""
+    return sum(1 for n in gm.graph.nodes if n.op.startswith("call_") and sum(node_flops(n)) > 0)
 
 
 def decide_pipeline_split(gm: fx.GraphModule, pp: int, *, tolerance: float = 0.1,
@@ -249,6 +254,14 @@ def check_cut_fits(plan: PipelinePlan, gm: fx.GraphModule, pp: int) -> None:
             raise PassError(f"pipeline split: stage {s.index} reads or returns {unknown[:4]}, not in this capture")
 
 
+def cut_graph(gm: fx.GraphModule, plan: PipelinePlan) -> fx.GraphModule:
+    """``gm`` cut as ``plan`` says (a ``PassError`` unless the cut fits it): a parent module that calls
+    ``stage_0``, ``stage_1``, ... in turn and composes to ``gm``; each piece holds the same Parameter objects as
+    ``gm`` for what it reads."""
+    check_cut_fits(plan, gm, len(plan.stages))
+    return _compose(gm, plan, [_build_stage(gm, spec) for spec in plan.stages])
+
+
 def split_pipeline_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Split ``gm`` into ``ctx.scheme.pp`` stages; the result calls ``stage_0``, ``stage_1``, ... in turn."""
     pp = ctx.scheme.pp
@@ -258,7 +271,5 @@ def split_pipeline_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if plan is None:
         plan = decide_pipeline_split(gm, pp, tolerance=ctx.option("split_pipeline_pass.tolerance", 0.2),
                                      seq_len=ctx.option("split_pipeline_pass.seq_len"))
-    else:
-        check_cut_fits(plan, gm, pp)
-    stages = [_build_stage(gm, spec) for spec in plan.stages]
-    return PassResult(graph_module=_compose(gm, plan, stages), modified=True, info={"plan": plan})
+    check_cut_fits(plan, gm, pp)  # the stage count too: cut_graph checks the nodes alone
+    return PassResult(graph_module=cut_graph(gm, plan), modified=True, info={"plan": plan})

@@ -114,12 +114,20 @@ class Variant:
     """Counts torch.compile compilations of this variant (1 after warm-up, unchanged after; 0 with the
     ``eager`` backend, which compiles nothing)."""
     compiled: Callable = field(default=None)
-    """``torch.compile`` of ``graph_module`` (``graph_module`` itself with the ``eager`` backend)."""
+    """``torch.compile`` of ``graph_module`` (``graph_module`` itself with the ``eager`` backend); for a stage cut
+    into pieces, the module that runs the pieces in turn, each compiled on its own."""
+    pieces: tuple[fx.GraphModule, ...] = ()
+    """The stage's pieces when it is cut for overlapped movement (each holds the Parameters it reads), else
+    empty."""
+    piece_params: tuple[tuple[str, ...], ...] = ()
+    """Per piece, the parameters it reads."""
+    gate: list = field(default_factory=lambda: [None])
+    """``gate[0]``: called with a piece's parameter names before the piece runs (None: nothing to wait for)."""
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor) -> tuple:
         """Run the stage on a packed micro-batch (padded here to the bucket); returns the stage's outputs."""
         ids, cu = pad_to_bucket(input_ids, cu_seqlens, self.key.bucket)
-        if self.compiled is not self.graph_module:  # torch.compile: the sequence count is dynamic
+        if self.counter.backend != "eager":  # torch.compile: the sequence count is dynamic
             torch._dynamo.mark_dynamic(cu, 0)
         given = {"input_ids": ids[None], "cu_seqlens": cu, "max_seqlen": self.key.bucket}
         if len(boundary) != len(self.boundary_in):
@@ -148,20 +156,24 @@ class Variant:
         """Compute with ``params`` (this rank's slices by parameter name, e.g. the runtime's compute copy
         shared by every bucket of a stage) instead of the Parameters the rewrite made; ``buffer(name, t)``
         gives the tensor to use for each buffer (moved or cast). Call before the first run."""
+        modules = self.pieces or (self.graph_module,)
         for sl in self.params:
             p = params[sl.name]
             if tuple(p.shape) != sl.local_shape:
                 raise ValueError(f"variant {self.key.describe()}: parameter {sl.name!r} must have shape "
                                  f"{sl.local_shape}, got {tuple(p.shape)}")
-            owner, leaf = _owner(self.graph_module, sl.name)
-            owner.register_parameter(leaf, p)
-        if buffer is not None:
-            for name, value in list(self.graph_module.named_buffers()):
-                owner, leaf = _owner(self.graph_module, name)
-                owner.register_buffer(leaf, buffer(name, value))
+            for module in modules:
+                if module is self.graph_module or sl.name in dict(module.named_parameters()):
+                    owner, leaf = _owner(module, sl.name)
+                    owner.register_parameter(leaf, p)
         device = next((p.device for p in params.values()), None)
-        if device is not None and device.type != "meta":
-            retarget_devices(self.graph_module, torch.device("meta"), device)
+        for module in modules:
+            if buffer is not None:
+                for name, value in list(module.named_buffers()):
+                    owner, leaf = _owner(module, name)
+                    owner.register_buffer(leaf, buffer(name, value))
+            if device is not None and device.type != "meta":
+                retarget_devices(module, torch.device("meta"), device)
 
 
 
