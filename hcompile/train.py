@@ -109,6 +109,15 @@ class TrainOptions:
     the whole model twice on every rank)."""
     self_check_max_params: int = 1 << 28
     """The largest model (in parameters) the self-check runs on."""
+    overlap_movement: bool = False
+    """Move parameters and gradients window by window of the fixed layout, overlapped with compute
+    (``runtime.overlap``): each stage is cut into ``movement_pieces`` pieces (each compiled on its own), a piece
+    waits for its parameters' windows just before it runs, and each window of gradients goes to its owners as
+    soon as the step's last backward has finished it. Off by default: its buffers (an owner holds the send
+    buffers of every window's pull and the receive buffers of every window's push at once) are not in the
+    planner's memory model yet."""
+    movement_pieces: int = 4
+    """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -119,6 +128,9 @@ class TrainOptions:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ValueError(f"plan_timeout_s must be a positive number of seconds or None, got {timeout!r}")
+        if isinstance(self.movement_pieces, bool) or not isinstance(self.movement_pieces, int) \
+                or self.movement_pieces < 1:
+            raise ValueError(f"movement_pieces must be a positive integer, got {self.movement_pieces!r}")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
         if self.policy not in POLICIES:
@@ -174,7 +186,7 @@ class Trainer:
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, param_dtype=self.param_dtype,
-                                 reduce_dtype=options.reduce_dtype,
+                                 reduce_dtype=options.reduce_dtype, overlap=options.overlap_movement,
                                  hooks=[TakeTurns()] if options.replicas_take_turns else [])
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
@@ -189,8 +201,9 @@ class Trainer:
                                               buckets=self.buckets.sizes)
         """What the planner plans with: capped at the largest capturable bucket, each micro-batch charged the
         padding up to its bucket, as the variants run it."""
-        self.lowerings: LoweringCache = compiled.lowerings(*self._compute_copies(), buckets=self.buckets,
-                                                           cost_tokens=self.cost_model.max_tokens)
+        self.lowerings: LoweringCache = compiled.lowerings(
+            *self._compute_copies(), buckets=self.buckets, cost_tokens=self.cost_model.max_tokens,
+            pieces=options.movement_pieces if options.overlap_movement else 1)
         """This trainer's lowerings, variants and stage programs (bound to its compute copies)."""
         params = sum(p.numel() for p in compiled.model.parameters())
         self._self_check = options.self_check and params <= options.self_check_max_params

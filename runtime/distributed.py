@@ -28,7 +28,7 @@ from passes.plan.ir import ReplicaPlan
 __all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S", "ProcessGroup", "Work",
            "is_initialized", "world_size", "rank", "backend", "group_device", "all_gather_object",
            "broadcast_object", "agree_errors", "all_reduce", "all_gather", "all_gather_into", "barrier", "send",
-           "recv", "isend", "irecv", "exchange", "group_name", "world_group", "shutdown"]
+           "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown"]
 
 ProcessGroup = dist.ProcessGroup
 """A process group (what ``GroupCache.get`` returns; None stands for a group of one rank)."""
@@ -284,7 +284,38 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
             work.wait()
 
 
+def post(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+         group: ProcessGroup | None = None) -> list[Work]:
+    """Post these sends (tensor, to) and receives (buffer, from) on ``group`` (global ranks) and return at once:
+    the works to wait for (keep the send tensors alive until then). Between any two ranks, what one posts is
+    matched with what the other posts in the order both posted it; under NCCL one call is one NCCL group."""
+    ops = [dist.P2POp(dist.isend, _on(t, group).contiguous(), peer, group=group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group=group) for buf, peer in recvs]
+    return list(dist.batch_isend_irecv(ops)) if ops else []
+
+
+_movement: dict[int, ProcessGroup] = {}
+"""The movement group, by the id of the default group it was made in (a new job in the process makes anew)."""
+
+
+def movement_group() -> ProcessGroup | None:
+    """A group of every rank for parameter and gradient movement alone (None in a world of one), made on first
+    use (collective: every rank calls it at the same point): movement posted ahead of compute never interleaves
+    with pipeline or tensor-parallel messages between the same two ranks (under NCCL it is a communicator of its
+    own, set up here by a barrier of all its ranks, since a rank may post nothing in a window)."""
+    if world_size() == 1:
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _movement:
+        _movement.clear()
+        group = dist.new_group(list(range(world_size())))
+        dist.barrier(group=group)
+        _movement[key] = group
+    return _movement[key]
+
+
 def shutdown() -> None:
     """Leave the job: destroy every process group (before the interpreter finalizes)."""
+    _movement.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

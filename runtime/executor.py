@@ -11,8 +11,9 @@ from the phase hooks (``runtime.measure``), which the executor calls and does no
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout
 from runtime.loss import global_pair_count, packed_causal_lm_loss_sum
 from runtime.measure import PhaseHook, StepMeter, StepState, StepStats
+from runtime.overlap import DEFAULT_WINDOWS, PullInFlight, PushInFlight, WindowedMovement, layout_windows
 from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
 from runtime.stage_params import StageParams
 from runtime.topology import Cluster, check_placement
@@ -40,6 +42,12 @@ class StageProgram(Protocol):
 
     param_slices: Mapping[str, ParamSlice]
     """Every parameter the stage uses, and the slice of it this rank holds."""
+
+    gate: Callable[[Sequence[str]], None] | None
+    """Set by the runtime during a step's first forward (None otherwise): the program calls it with the names of
+    the parameters it is about to read, before reading them, covering every parameter it reads (a stage cut into
+    pieces asks before each piece). With overlapped movement that is where the runtime waits for them; a
+    program without the attribute gets every parameter before its first call."""
 
     def bind(self, params: Mapping[str, nn.Parameter]) -> None:
         """Compute with ``params`` (by name, shaped as the slices) from now on, in every token bucket."""
@@ -70,9 +78,18 @@ class Executor:
 
     def __init__(self, ctx: DistContext, cluster: Cluster, layout: FixedLayout, optimizer: torch.optim.Optimizer, *,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, hooks: Sequence[PhaseHook] = ()):
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, hooks: Sequence[PhaseHook] = (), overlap: bool = False,
+                 windows: int = DEFAULT_WINDOWS):
+        """``overlap``: move parameters and gradients window by window (``runtime.overlap``), the pull of later
+        layers travelling while the forward computes earlier ones and the push of later layers' gradients while
+        the backward computes earlier ones, in ``windows`` windows of the fixed layout; otherwise all of the pull
+        before the compute and all of the push after it (``runtime.redistribute``), in rounds of pairs."""
         self.ctx, self.cluster, self.layout, self.optimizer = ctx, cluster, layout, optimizer
         self.param_dtype, self.reduce_dtype, self.chunk_numel = param_dtype, reduce_dtype, chunk_numel
+        self.overlap = overlap
+        self.windows = layout_windows(layout, windows) if overlap else []
+        """The fixed layout's movement windows (overlapped movement only)."""
+        self._windowed: dict[Strategy, WindowedMovement] = {}
         self.groups = GroupCache()
         self.cpu_clock = RankCpuClock()
         """This rank's CPU clock; background threads (planning) register with it so busy times leave them out."""
@@ -124,18 +141,33 @@ class Executor:
         params = self.stage_params(program, ranks.scheme, (ranks.scheme, stage, tp_rank, ranks.tp_groups[stage]))
         move = self.redistribution(plan.strategy, params)
         self._phase("pull", step)
+        pull: PullInFlight | None = None
         with record_function("hydraulis.pull_params"):
-            step.traffic = move.pull(self.layout, params.materialize())
+            if self.overlap:
+                pull = self.windowed(plan.strategy, move).start_pull(self.layout, params.materialize())
+                step.traffic = pull.traffic
+            else:
+                step.traffic = move.pull(self.layout, params.materialize())
         params.zero_grads()
+        push = None if pull is None or dry_run else self._windowed[plan.strategy].start_push(
+            params, self.reduce_dtype, self.layout)
+        flow = _Flow(program, params, pull, push,
+                     self._windowed[plan.strategy].windows_of(params) if pull is not None else {})
         self._phase("pulled", step)
         self._phase("compute", step)
         pairs = global_pair_count(plan.seq_lens)
         micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in ranks.micro_batches]
-        with record_function("hydraulis.compute"):
-            if ranks.scheme.pp == 1:
-                loss_sum = self._run_local(program, micro, pairs, self.ctx.device)
-            else:
-                loss_sum = _Pipeline(self.ctx.device, ranks, stage, tp_rank).run(program, micro, pairs)
+        try:
+            with record_function("hydraulis.compute"):
+                if ranks.scheme.pp == 1:
+                    loss_sum = self._run_local(program, micro, pairs, self.ctx.device, flow)
+                else:
+                    loss_sum = _Pipeline(self.ctx.device, ranks, stage, tp_rank).run(program, micro, pairs, flow)
+        finally:
+            params.on_accumulated = None
+        if pull is not None:
+            pull.wait_all()
+            step.pull_wait_ms = pull.wait_s * 1e3
         counts = stage == ranks.scheme.pp - 1 and tp_rank == 0
         step.loss_sum = loss_sum if counts else torch.zeros_like(loss_sum)
         step.tokens_computed = sum(plan.seq_lens[i] for mb in ranks.micro_batches for i in mb)
@@ -144,7 +176,10 @@ class Executor:
         if not dry_run:
             self._phase("push", step)
             with record_function("hydraulis.push_grads"):
-                step.traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
+                if push is not None:
+                    step.traffic += push.finish(self.layout)
+                else:
+                    step.traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
         params.release()
         if not dry_run:
             self._phase("optimizer", step)
@@ -157,20 +192,67 @@ class Executor:
         for hook in (reversed(self.hooks) if name == "computed" else self.hooks):
             hook(name, step)
 
+    def windowed(self, strategy: Strategy, move: Redistribution) -> WindowedMovement:
+        """The overlapped movement plan of ``strategy`` (made once from its movement plan)."""
+        if strategy not in self._windowed:
+            self._windowed[strategy] = WindowedMovement(move, self.layout, self.windows, self.chunk_numel)
+        return self._windowed[strategy]
+
     def redistribution_of(self, strategy: Strategy) -> Redistribution | None:
         """The movement plan of ``strategy`` once a step has run it (None before)."""
         return self._moves.get(strategy)
 
     @staticmethod
-    def _run_local(program: StageProgram, micro: list, pairs: int, device: torch.device) -> torch.Tensor:
+    def _run_local(program: StageProgram, micro: list, pairs: int, device: torch.device,
+                   flow: "_Flow") -> torch.Tensor:
         """Forward and backward of every micro-batch; the loss sum stays on the device (read once per step)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for ids, cu, max_len in micro:
-            (logits,) = program(ids, cu, max_len, ())
+        for i, (ids, cu, max_len) in enumerate(micro):
+            with flow.forward(first=i == 0):
+                (logits,) = program(ids, cu, max_len, ())
             loss = packed_causal_lm_loss_sum(logits, ids, cu)
+            flow.backward(last=i == len(micro) - 1)
             (loss / pairs).backward()
             total += loss.detach()
         return total
+
+
+class _Flow:
+    """Where overlapped movement meets the compute loop: during the first forward the program's gate waits for
+    the windows of the parameters it is about to read (a program without a gate gets the whole pull first), and
+    during the last backward every accumulated gradient is reported to the push, which posts each window once
+    it is complete. Without overlapped movement both do nothing (the pull is done and the push comes after the
+    compute)."""
+
+    def __init__(self, program: StageProgram, params: StageParams, pull: PullInFlight | None,
+                 push: PushInFlight | None, windows: dict[str, int]):
+        self.program, self.params, self.pull, self.push, self.windows = program, params, pull, push, windows
+
+    def forward(self, first: bool) -> ContextManager:
+        if self.pull is None or not first:
+            return contextlib.nullcontext()
+        if hasattr(self.program, "gate"):
+            return self._gated()
+        self.pull.wait_all()
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _gated(self) -> Iterator[None]:
+        self.program.gate = self._wait_for
+        try:
+            yield
+        finally:
+            self.program.gate = None
+
+    def _wait_for(self, names: Sequence[str]) -> None:
+        """Block until the windows of these parameters are in place (under NCCL: the stream waits)."""
+        last = max((self.windows[n] for n in names if n in self.windows), default=-1)
+        if last >= 0:
+            self.pull.wait(last)
+
+    def backward(self, last: bool) -> None:
+        if last and self.push is not None:
+            self.params.on_accumulated = self.push.accumulated
 
 
 class _Pipeline:
@@ -204,20 +286,23 @@ class _Pipeline:
             items.append(leaves if isinstance(spec, list) else leaves[0])
         return [tuple(i) if isinstance(i, list) else i for i in items]
 
-    def run(self, program: StageProgram, micro: list, pairs: int) -> torch.Tensor:
+    def run(self, program: StageProgram, micro: list, pairs: int, flow: _Flow) -> torch.Tensor:
         v = len(micro)
         warmup = min(self.pp - self.stage - 1, v)
         pending: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         order = ["F"] * warmup + ["F", "B"] * (v - warmup) + ["B"] * warmup
-        forwards = 0
+        forwards = backwards = 0
         for op in order:
             if op == "F":
-                outs, inputs, loss = self._forward(program, micro[forwards], pairs)
+                with flow.forward(first=forwards == 0):
+                    outs, inputs, loss = self._forward(program, micro[forwards], pairs)
                 total += loss
                 pending.append((outs, inputs))
                 forwards += 1
             else:
+                backwards += 1
+                flow.backward(last=backwards == v)
                 self._backward(*pending.pop(0))
         for work, _ in self.in_flight:
             work.wait()

@@ -75,6 +75,9 @@ class StepStats:
     push_ms: tuple[float, ...] = ()
     """Per rank: its push phase (gradients to their owners), ms, timed alike; a rank that reaches it early
     includes its wait for the later ones (0 in a dry run)."""
+    pull_wait_ms: tuple[float, ...] = ()
+    """Per rank, with overlapped movement: host wall time its compute waited for parameter windows still
+    travelling, ms (inside the compute phase; under NCCL the wait is the stream's and this stays near 0)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -98,6 +101,8 @@ class StepState:
     """Tokens of this rank's micro-batches."""
     traffic: Traffic = field(default_factory=Traffic)
     """Bytes moved so far."""
+    pull_wait_ms: float = 0.0
+    """With overlapped movement: host time the compute waited for parameter windows still travelling, ms."""
     stats: StepStats | None = None
     """What the step did, once a meter has read it (at ``end``)."""
 
@@ -199,7 +204,7 @@ class StepMeter:
         push_ms = self._push.read() if self._push is not None else 0.0
         counted = step.loss_sum
         summary = torch.cat([counted.reshape(1).double(), torch.tensor(
-            [busy_ms, float(step.tokens_computed), thread_ms, pull_ms, push_ms], dtype=torch.float64,
+            [busy_ms, float(step.tokens_computed), thread_ms, pull_ms, push_ms, step.pull_wait_ms], dtype=torch.float64,
             device=counted.device)])
         gathered = torch.stack(comm.all_gather(summary)).cpu().tolist()
         plan = step.plan
@@ -208,7 +213,8 @@ class StepMeter:
             strategy=plan.strategy.describe(), busy_ms=tuple(g[1] for g in gathered),
             wall_ms=(time.perf_counter() - self._started) * 1e3, compilations=0, traffic=step.traffic,
             tokens_computed=tuple(int(g[2]) for g in gathered), compute_thread_ms=tuple(g[3] for g in gathered),
-            compute_window=self._window, pull_ms=tuple(g[4] for g in gathered), push_ms=tuple(g[5] for g in gathered))
+            compute_window=self._window, pull_ms=tuple(g[4] for g in gathered), push_ms=tuple(g[5] for g in gathered),
+            pull_wait_ms=tuple(g[6] for g in gathered))
 
 
 class TakeTurns:

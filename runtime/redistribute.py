@@ -25,7 +25,8 @@ import torch
 from runtime import distributed as comm
 from runtime.fixed_layout import FixedLayout
 
-__all__ = ["Traffic", "Redistribution", "intersect", "DEFAULT_CHUNK_NUMEL"]
+__all__ = ["Traffic", "Redistribution", "Ranges", "intersect", "pieces", "total", "gather_ranges",
+           "DEFAULT_CHUNK_NUMEL"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
 """Elements of the largest single message (64 MiB in fp32)."""
@@ -63,7 +64,7 @@ def intersect(ranges: Ranges, lo: int, hi: int) -> Ranges:
     return out
 
 
-def _pieces(ranges: Ranges, start: int, count: int) -> Iterator[tuple[int, int, int]]:
+def pieces(ranges: Ranges, start: int, count: int) -> Iterator[tuple[int, int, int]]:
     """(position in the concatenation, range offset, length) covering elements [start, start + count) of the
     concatenation of ``ranges``."""
     pos = 0
@@ -77,7 +78,8 @@ def _pieces(ranges: Ranges, start: int, count: int) -> Iterator[tuple[int, int, 
             return
 
 
-def _size(ranges: Ranges) -> int:
+def total(ranges: Ranges) -> int:
+    """Elements of ``ranges``."""
     return sum(b - a for a, b in ranges)
 
 
@@ -95,13 +97,13 @@ class Redistribution:
         mine = needs[self.rank]
         self.ranges: Ranges = list(mine)
         """The flat ranges this rank computes with, in order."""
-        self.numel = _size(mine)
+        self.numel = total(mine)
         """Elements this rank computes with."""
         self.segments: list[tuple[int, int]] = []
         """Per owner k: (start, count) of the segment of this rank's buffer that k's shard holds."""
         start = 0
         for k in range(self.world_size):
-            count = _size(intersect(mine, *layout.owner_range(k)))
+            count = total(intersect(mine, *layout.owner_range(k)))
             self.segments.append((start, count))
             start += count
         self.serves: list[Ranges] = [[(a - lo, b - lo) for a, b in intersect(need, lo, hi)] for need in needs]
@@ -120,7 +122,7 @@ class Redistribution:
 
     def served_numel(self) -> int:
         """Elements of this rank's shard that other ranks compute with (summed over them)."""
-        return sum(_size(r) for j, r in enumerate(self.serves) if j != self.rank)
+        return sum(total(r) for j, r in enumerate(self.serves) if j != self.rank)
 
     def pull(self, layout: FixedLayout, flat: torch.Tensor) -> Traffic:
         """Fill ``flat`` (this rank's buffer, any float dtype) with its parameter slices from their owners."""
@@ -129,18 +131,19 @@ class Redistribution:
         shard = layout.shard.detach()
         start, count = self.segments[self.rank]
         with torch.no_grad():
-            for pos, off, n in _pieces(self.serves[self.rank], 0, count):
+            for pos, off, n in pieces(self.serves[self.rank], 0, count):
                 flat[start + pos:start + pos + n].copy_(shard[off:off + n])
         size = flat.element_size()
         sent = received = 0
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            n_send, (r_start, n_recv) = _size(self.serves[to]), self.segments[frm]
+            n_send, (r_start, n_recv) = total(self.serves[to]), self.segments[frm]
             for c in range(0, max(n_send, n_recv), self.chunk):
                 sends, recvs = [], []
                 if c < n_send:
-                    sends.append((self._gather(shard, self.serves[to], c, n_send, flat.dtype), to))
-                    sent += min(self.chunk, n_send - c) * size
+                    n = min(self.chunk, n_send - c)
+                    sends.append((gather_ranges(shard, self.serves[to], c, n, flat.dtype), to))
+                    sent += n * size
                 if c < n_recv:
                     recvs.append((flat[r_start + c:r_start + min(n_recv, c + self.chunk)], frm))
                     received += min(self.chunk, n_recv - c) * size
@@ -154,13 +157,13 @@ class Redistribution:
             raise ValueError(f"the gradient buffer has {grads.numel()} elements, this rank computes with {self.numel}")
         shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.shard.device)
         start, count = self.segments[self.rank]
-        for pos, off, n in _pieces(self.serves[self.rank], 0, count):
+        for pos, off, n in pieces(self.serves[self.rank], 0, count):
             shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
         size = torch.empty((), dtype=reduce_dtype).element_size()
         sent = received = 0
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            (s_start, n_send), n_recv = self.segments[to], _size(self.serves[frm])
+            (s_start, n_send), n_recv = self.segments[to], total(self.serves[frm])
             for c in range(0, max(n_send, n_recv), self.chunk):
                 sends, recvs, buf = [], [], None
                 if c < n_send:
@@ -173,13 +176,16 @@ class Redistribution:
                     received += buf.numel() * size
                 comm.exchange(sends, recvs)
                 if buf is not None:
-                    for pos, off, n in _pieces(self.serves[frm], c, buf.numel()):
+                    for pos, off, n in pieces(self.serves[frm], c, buf.numel()):
                         shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
         layout.shard.grad = shard_grad
         return Traffic(grads_sent=sent, grads_received=received)
 
-    def _gather(self, shard: torch.Tensor, ranges: Ranges, start: int, total: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements [start, start + chunk) of the concatenation of ``ranges`` of the shard, in ``dtype``."""
-        parts = [shard[off:off + n] for _, off, n in _pieces(ranges, start, min(self.chunk, total - start))]
-        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return joined.to(dtype).contiguous()
+
+
+def gather_ranges(shard: torch.Tensor, ranges: Ranges, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements [start, start + count) of the concatenation of ``ranges`` of ``shard``, contiguous, in ``dtype``
+    (a view of the shard when that is one range already in ``dtype``)."""
+    parts = [shard[off:off + n] for _, off, n in pieces(ranges, start, count)]
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return joined.to(dtype).contiguous()

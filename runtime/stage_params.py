@@ -12,28 +12,16 @@ the owners as it is). Storage exists only during a step: :meth:`StageParams.mate
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from passes.graph.tensor_parallel import ParamSlice
+from passes.plan.movement import merged
 from runtime.fixed_layout import FixedLayout
 
-__all__ = ["StageParams", "merge_ranges"]
-
-
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, non-overlapping ranges with touching neighbours joined."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo < out[-1][1]:
-            raise ValueError(f"overlapping ranges {out[-1]} and {(lo, hi)}")
-        if out and lo == out[-1][1]:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return out
+__all__ = ["StageParams"]
 
 
 class StageParams:
@@ -58,7 +46,7 @@ class StageParams:
             start += numel
         self.numel = start
         """Elements of all the slices."""
-        self.ranges = merge_ranges(ranges)
+        self.ranges = list(merged(ranges))
         """The flat ranges of the layout the buffer holds, in order (touching ranges joined)."""
         self._layout = layout
         self.params: dict[str, nn.Parameter] = {
@@ -66,6 +54,23 @@ class StageParams:
         """The Parameters the stage program computes with; their storage is swapped in by ``materialize``."""
         self.flat: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None
+        self.on_accumulated: Callable[[str], None] | None = None
+        """Called with a parameter's name after autograd accumulated a gradient into it (None: nobody listens);
+        the executor listens during a step's last backward to push each window as soon as it is complete."""
+        for name, param in self.params.items():
+            param.register_post_accumulate_grad_hook(self._listener(name))
+
+    def _listener(self, name: str) -> Callable[[torch.Tensor], None]:
+        def accumulated(_: torch.Tensor) -> None:
+            if self.on_accumulated is not None:
+                self.on_accumulated(name)
+        return accumulated
+
+    def starts(self) -> Iterator[tuple[str, int, int]]:
+        """Every parameter's name, the position of its first element in the flat buffers and its element count,
+        in flat order."""
+        for name, start, slc in self._views:
+            yield name, start, math.prod(slc.local_shape)
 
     @property
     def nbytes(self) -> int:
@@ -87,11 +92,18 @@ class StageParams:
 
     def weighted_grads(self) -> torch.Tensor:
         """The flat gradient buffer with each region multiplied by its factor (in place): what the owners sum."""
+        self.weigh_grads(0, self.numel)
+        return self.grad_flat
+
+    def weigh_grads(self, lo: int, hi: int) -> None:
+        """Multiply the regions of the gradient buffer inside [lo, hi) by their factors, in place (once per step
+        for each region: what the owners sum)."""
         if self.grad_flat is None:
             raise RuntimeError("no gradients: zero_grads() was not called this step")
         for start, count, weight in self.weights:
-            self.grad_flat[start:start + count].mul_(weight)
-        return self.grad_flat
+            a, b = max(start, lo), min(start + count, hi)
+            if b > a:
+                self.grad_flat[a:b].mul_(weight)
 
     def fill_from(self, full: Mapping[str, torch.Tensor]) -> None:
         """Copy this rank's slices of full parameters (by name) into the buffer, without communication (for

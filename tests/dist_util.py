@@ -13,3 +13,18 @@ def run_ranks(world: int, tmp_path: Path, fn: Callable, *args, timeout_s: float 
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; each rank's result, or a failure naming the rank.
     ``tmp_path`` is kept for symmetry with pytest fixtures; the store lives in its own temporary folder."""
     return run_local_ranks(world, fn, *args, timeout_s=timeout_s)
+
+
+class LateOwner:
+    """A phase hook: rank 0 posts its pull ``seconds`` after the others, so that a rank computing before its
+    parameters arrived (overlapped movement without its waits) would compute with an uninitialised buffer."""
+
+    def __init__(self, seconds: float = 0.3):
+        self.seconds = seconds
+
+    def __call__(self, phase: str, step) -> None:
+        import time
+
+        from runtime import distributed as comm
+        if phase == "pull" and comm.rank() == 0:
+            time.sleep(self.seconds)

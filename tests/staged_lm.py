@@ -62,6 +62,7 @@ class StagedProgram:
         shapes = {n: tuple(t.shape) for n, t in init_params(0).items()}
         self.param_slices = {n: ParamSlice(name=n, full_shape=shapes[n]) for n in names}
         self.params: dict[str, torch.Tensor] = {}
+        self.gate = None  # set by the runtime in a step's first forward: asked before each layer's parameters
 
     def bind(self, params):
         self.params = dict(params)
@@ -70,15 +71,24 @@ class StagedProgram:
         return [((tokens, HIDDEN), torch.float32)] if self.stage > 0 else []
 
     def __call__(self, ids, cu_seqlens, max_seqlen, boundary):
-        return (forward_stage(self.params, self.stage, self.pp, boundary[0] if boundary else ids, cu_seqlens),)
+        return (forward_stage(self.params, self.stage, self.pp, boundary[0] if boundary else ids, cu_seqlens,
+                              self.gate),)
 
 
-def forward_stage(p, stage, pp, x, cu_seqlens):
+def forward_stage(p, stage, pp, x, cu_seqlens, gate=None):
+    """The stage's forward; ``gate(names)``, when given, is called before the named parameters are read."""
+    def read(*names):
+        if gate is not None:
+            gate(names)
+
     if stage == 0:
+        read("emb", "pos")
         x = p["emb"][x] + p["pos"][_positions(cu_seqlens)]
     for i in stage_layers(stage, pp):
+        read(*(n for n in p if n.startswith(f"b{i}.")))
         x = _block(p, i, x, cu_seqlens)
     if stage == pp - 1:
+        read("ln_f", "head")
         x = F.linear(F.layer_norm(x, (HIDDEN,), p["ln_f"]), p["head"])
     return x
 

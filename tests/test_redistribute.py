@@ -10,8 +10,8 @@ from dist_util import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from passes.plan.movement import merged
 from runtime.redistribute import Redistribution, Traffic, intersect
-from runtime.stage_params import merge_ranges
 
 NUMEL = 103
 
@@ -22,7 +22,7 @@ def _random_needs(seed: int, world: int) -> list[list[tuple[int, int]]]:
     for _ in range(world):
         cuts = sorted(set(torch.randint(0, NUMEL + 1, (6,), generator=g).tolist()) | {0, NUMEL})
         keep = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a and torch.rand(1, generator=g) < 0.6]
-        needs.append(merge_ranges(keep) or [(0, 1)])
+        needs.append(list(merged(keep)) or [(0, 1)])
     return needs
 
 
@@ -88,7 +88,4 @@ def test_bad_input_is_refused():
         Redistribution(layout, [[(0, 3)]])
     with pytest.raises(ValueError, match="chunk_numel must be positive"):
         Redistribution(layout, [[(0, 3)], [(3, 4)]], chunk_numel=0)
-    with pytest.raises(ValueError, match="overlapping ranges"):
-        merge_ranges([(0, 5), (3, 6)])
-    assert merge_ranges([(4, 6), (0, 2), (2, 4)]) == [(0, 6)]
     assert Traffic(params_sent=1) + Traffic(grads_sent=2) == Traffic(params_sent=1, grads_sent=2)

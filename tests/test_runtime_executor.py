@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_util import run_ranks
+from dist_util import LateOwner, run_ranks
 from staged_lm import StagedPrograms, init_params, reference_loss
 
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
@@ -21,7 +21,7 @@ def batches():
     return [[torch.randint(0, 61, (n,), generator=g) for n in step] for step in lens]
 
 
-def _train(rank, world, strategies, lr, take_turns=False):
+def _train(rank, world, strategies, lr, take_turns=False, overlap=False):
     from runtime.distributed import DistContext
     from runtime.executor import Executor
     from runtime.fixed_layout import FixedLayout
@@ -30,8 +30,9 @@ def _train(rank, world, strategies, lr, take_turns=False):
 
     ctx = DistContext(rank=rank, world_size=world, dist_backend="gloo", device=torch.device("cpu"))
     layout = FixedLayout.from_tensors(init_params(0), rank, world)
-    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr),
-                  hooks=[TakeTurns()] if take_turns else [])
+    hooks = [TakeTurns()] if take_turns else [LateOwner()] if overlap else []
+    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=lr), hooks=hooks,
+                  overlap=overlap, windows=3)
     programs = StagedPrograms()
     planner = Planner(CPU_MODEL, world, [Strategy.parse("4x(tp1)")], fixed=Strategy.parse("4x(tp1)"))
     out = []
@@ -42,13 +43,15 @@ def _train(rank, world, strategies, lr, take_turns=False):
     return out
 
 
-@pytest.mark.parametrize(("strategies", "take_turns"), [
-    (STRATEGIES[:3], False), ([STRATEGIES[3], STRATEGIES[1], STRATEGIES[0]], False),
-    (STRATEGIES[:3], True),  # replicas computing one after the other give the same step
+@pytest.mark.parametrize(("strategies", "take_turns", "overlap"), [
+    (STRATEGIES[:3], False, False), ([STRATEGIES[3], STRATEGIES[1], STRATEGIES[0]], False, False),
+    (STRATEGIES[:3], True, False),  # replicas computing one after the other give the same step
+    # movement overlapped with compute, an owner late: every window waited for before its first use
+    (STRATEGIES[:3], False, True), ([STRATEGIES[3], STRATEGIES[1], STRATEGIES[0]], False, True),
 ])
-def test_heterogeneous_steps_match_single_process_sgd(tmp_path, strategies, take_turns):
+def test_heterogeneous_steps_match_single_process_sgd(tmp_path, strategies, take_turns, overlap):
     lr = 0.5
-    results = run_ranks(4, tmp_path, _train, strategies, lr, take_turns)
+    results = run_ranks(4, tmp_path, _train, strategies, lr, take_turns, overlap)
     params = {k: v.clone().requires_grad_(True) for k, v in init_params(0).items()}
     for step, batch in enumerate(batches()):
         loss = reference_loss(params, batch)
