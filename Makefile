@@ -1,6 +1,6 @@
 # Set-up and checks. `make run`: install and run the compile-and-run harness with its defaults (profile the
-# cost model here, then train with each policy on 4 local ranks); `make test`: install and run the suite;
-# `make lint`: ruff (E, F, I, B) over the tree and mypy over the planner.
+# cost model here, then train with each policy on 4 local ranks); `make test`: install and run the suite
+# (`make test-full`: its exhaustive sweeps too); `make lint`: ruff (E, F, I, B) over the tree and mypy over the planner.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint bench plan clean
+.PHONY: install run test test-full lint bench plan clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Every test, the exhaustive sweeps marked `slow` too (tests/conftest.py); about twice as long as `make test`.
+test-full: install
+	HYDRAULIS_FULL_TESTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

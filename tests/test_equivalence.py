@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dist_util import LateOwner, run_ranks
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from tiers import FULL
 
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
 from passes.graph.variant import TokenBuckets
@@ -122,7 +123,7 @@ FIXED_STEPS = [("1x(tp2)+2x(tp1)", [14, 22, 15, 23, 13, 20, 16, 24, 40, 30, 45, 
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+@settings(max_examples=2 if FULL else 1, deadline=None, phases=[Phase.explicit, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_strategies_match_single_process_sgd(tmp_path, name, data):

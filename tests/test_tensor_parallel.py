@@ -122,7 +122,7 @@ def _tp_worker(rank, world, graphs, packed):
         _check_tp_pp_variants(rank, world, packed)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_tensor_parallel_matches_unsharded_on_gloo(world, tmp_path):
     graphs = {}
     for name in CASES:  # capture once here; every rank rewrites the same captured graph for itself
