@@ -2,7 +2,9 @@
 
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` tiles the score matrix (it never forms the whole
 (len x len) scores, and skips the masked blocks of a causal sequence) and returns the output with the
-log-sum-exp; its backward recomputes the probabilities from them, as the Triton kernels do.  Sequences are
+log-sum-exp; its backward recomputes the probabilities from them, as the Triton kernels do.  A segment whose
+keys are a longer span than its queries (``offsets_k``: a chunk of a long sequence against the keys up to its
+end) passes the kernel an explicit bottom-right causal mask, since its own ``is_causal`` aligns top-left.  Sequences are
 attended one at a time (so no cross-sequence score is formed); grouped kv heads are expanded for the call
 and their gradients summed back.  Same signatures and outputs as ``codegen.reference``, which is its oracle;
 on one CPU core, forward+backward with 4 heads of 32 is 3.8x faster than the reference for one 512-token
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from codegen.reference import sequence_spans
+from codegen.reference import causal_mask, segment_pairs
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -34,6 +36,17 @@ def _group_sum(grad: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return grad.transpose(0, 1)
 
 
+def _mask_args(causal: bool, queries: int, keys: int, like: torch.Tensor) -> tuple[bool, dict]:
+    """``(is_causal, kwargs)`` for one segment: the kernel's own causal flag when queries and keys are the same
+    span, else an additive bottom-right causal mask in ``like``'s dtype, as the kernel takes it (or none when
+    not causal). Every row sees at least its own key, so no row is all -inf."""
+    if not causal or queries == keys:
+        return causal, {}
+    hidden = ~causal_mask(queries, like.device, keys)
+    return False, {"attn_mask": torch.zeros(queries, keys, dtype=like.dtype, device=like.device).masked_fill(
+        hidden, float("-inf"))}
+
+
 def cpu_flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -42,15 +55,18 @@ def cpu_flash_forward(
     *,
     causal: bool,
     softmax_scale: float,
+    offsets_k: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32."""
     total_tokens, heads_q, _ = q.shape
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(heads_q, total_tokens, dtype=torch.float32, device=q.device)
-    for start, end in sequence_spans(offsets):
-        seq_out, seq_lse = _FORWARD(_heads_first(q[start:end], 1), _heads_first(k[start:end], group_size),
-                                    _heads_first(v[start:end], group_size), 0.0, causal, scale=softmax_scale)[:2]
+    for start, end, k_start, k_end in segment_pairs(offsets, offsets_k):
+        is_causal, mask = _mask_args(causal, end - start, k_end - k_start, q)
+        seq_out, seq_lse = _FORWARD(_heads_first(q[start:end], 1), _heads_first(k[k_start:k_end], group_size),
+                                    _heads_first(v[k_start:k_end], group_size), 0.0, is_causal, scale=softmax_scale,
+                                    **mask)[:2]
         out[start:end] = seq_out[0].transpose(0, 1)
         lse[:, start:end] = seq_lse[0]
     return out, lse
@@ -67,17 +83,20 @@ def cpu_flash_backward(
     *,
     causal: bool,
     softmax_scale: float,
+    offsets_k: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for q, k and v, from the saved output and log-sum-exp."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group_size = heads_q // heads_kv
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for start, end in sequence_spans(offsets):
+    for start, end, k_start, k_end in segment_pairs(offsets, offsets_k):
+        is_causal, mask = _mask_args(causal, end - start, k_end - k_start, q)
         dq, dk, dv = _BACKWARD(
             _heads_first(grad_out[start:end], 1), _heads_first(q[start:end], 1),
-            _heads_first(k[start:end], group_size), _heads_first(v[start:end], group_size),
-            _heads_first(out[start:end], 1), lse[:, start:end].unsqueeze(0), 0.0, causal, scale=softmax_scale)
+            _heads_first(k[k_start:k_end], group_size), _heads_first(v[k_start:k_end], group_size),
+            _heads_first(out[start:end], 1), lse[:, start:end].unsqueeze(0), 0.0, is_causal, scale=softmax_scale,
+            **mask)
         grad_q[start:end] = dq[0].transpose(0, 1)
-        grad_k[start:end] = _group_sum(dk, heads_kv)
-        grad_v[start:end] = _group_sum(dv, heads_kv)
+        grad_k[k_start:k_end] = _group_sum(dk, heads_kv)
+        grad_v[k_start:k_end] = _group_sum(dv, heads_kv)
     return grad_q, grad_k, grad_v

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from codegen.reference import reference_backward, reference_forward
 from codegen.triton_launch import triton_backward, triton_forward
-from codegen.validation import check_kernel, check_layout, check_offsets
+from codegen.validation import check_kernel, check_key_offsets, check_layout, check_offsets
 
 _FORWARD_NAME = "hydraulis::packed_attention"
 _BACKWARD_NAME = "hydraulis::packed_attention_backward"
@@ -38,23 +38,38 @@ def packed_attention_op(
     softmax_scale: float,
     softcap: float | None,
     kernel: str,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward on one kernel ("triton", "cpu-flash" or "reference"); returns (out, lse).
     PyTorch's CPU flash kernel has no score cap: with ``softcap`` the CPU runs the reference. ``softcap`` is None
-    when there is no cap (not 0.0: a float constant would make dynamo restart its analysis to tensorify it)."""
+    when there is no cap (not 0.0: a float constant would make dynamo restart its analysis to tensorify it).
+    ``cu_seqlens_k`` / ``max_seqlen_k`` (None: the queries'): the keys' own spans, causal aligned bottom right."""
     softcap = softcap or 0.0
-    check_layout(q, k, v, cu_seqlens, max_seqlen, kernel)
+    check_layout(q, k, v, cu_seqlens, max_seqlen, kernel, separate_keys=cu_seqlens_k is not None)
     if kernel == "triton":  # the offsets are not read back: on a GPU that would synchronise every call
         return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
-                              softcap=softcap)
-    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)  # the CPU kernels loop over them anyway
+                              softcap=softcap, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+    offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
     if kernel == "cpu-flash" and not softcap:
-        return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale)
-    return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, softcap=softcap)
+        return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, offsets_k=offsets_k)
+    return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                             offsets_k=offsets_k)
+
+
+def _host_offsets(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  cu_seqlens_k: torch.Tensor | None, max_seqlen_k: int | None,
+                  causal: bool) -> tuple[list[int], list[int] | None]:
+    """The CPU kernels' validated host offsets of the queries and, when given, of the keys."""
+    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)  # the CPU kernels loop over them anyway
+    if cu_seqlens_k is None:
+        return offsets, None
+    return offsets, check_key_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, offsets, causal)
 
 
 @packed_attention_op.register_fake
-def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel):
+def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel,
+                           cu_seqlens_k=None, max_seqlen_k=None):
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
@@ -74,6 +89,8 @@ def packed_attention_backward_op(
     softmax_scale: float,
     softcap: float | None,
     kernel: str,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp.
 
@@ -83,24 +100,26 @@ def packed_attention_backward_op(
     kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
     softcap = softcap or 0.0
     if kernel == "triton":
-        return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softcap=softcap, **kwargs)
-    offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)
+        return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softcap=softcap,
+                               cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **kwargs)
+    offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
     if kernel == "cpu-flash" and not softcap:
-        return cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, **kwargs)
-    return reference_backward(grad_out, q, k, v, out, lse, offsets, softcap=softcap, **kwargs)
+        return cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, offsets_k=offsets_k, **kwargs)
+    return reference_backward(grad_out, q, k, v, out, lse, offsets, softcap=softcap, offsets_k=offsets_k, **kwargs)
 
 
 @packed_attention_backward_op.register_fake
 def _packed_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
-                                    softcap, kernel):
+                                    softcap, kernel, cu_seqlens_k=None, max_seqlen_k=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel, cu_seqlens_k, max_seqlen_k = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k)
     ctx.max_seqlen = max_seqlen
+    ctx.max_seqlen_k = max_seqlen_k
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.softcap = softcap
@@ -109,11 +128,12 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
     # lse is an internal output that packed_attention never returns, so grad_lse is None or zeros.
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
     grad_q, grad_k, grad_v = packed_attention_backward_op(
-        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.softcap, ctx.kernel
+        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.softcap,
+        ctx.kernel, cu_seqlens_k, ctx.max_seqlen_k,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None
 
 
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -147,6 +167,8 @@ def packed_attention(
     softcap: float | None = None,
     kernel: str = "auto",
     validate: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Attention within each sequence of a packed batch; differentiable in q, k and v.
 
@@ -161,14 +183,26 @@ def packed_attention(
     skips the host check too, for callers that build the offsets themselves (the runtime's packed graphs).
     Under torch.compile, compile with dynamic shapes (``dynamic=True``, or mark the token dims dynamic and pass
     a bucketed ``max_seqlen``) so that new lengths and sequence counts reuse the compiled graph.
+
+    Keys with their own spans (context parallelism: a query chunk of a long sequence against the keys up to its
+    end): ``cu_seqlens_k`` (int32, num_seqs + 1, over k's tokens) and ``max_seqlen_k``; segment i's queries
+    ``q[cu_seqlens[i]:cu_seqlens[i+1]]`` attend keys ``k[cu_seqlens_k[i]:cu_seqlens_k[i+1]]``, causal aligned
+    at the bottom right (the last query row sees every key), so each key span must be at least as long as its
+    query span.
     """
     check_kernel(kernel)
+    if (cu_seqlens_k is None) != (max_seqlen_k is None):
+        raise ValueError(f"cu_seqlens_k and max_seqlen_k come together; got cu_seqlens_k "
+                         f"{'None' if cu_seqlens_k is None else 'given'} and max_seqlen_k={max_seqlen_k!r}")
     resolved = resolve_kernel(kernel, q.device)
-    check_layout(q, k, v, cu_seqlens, max_seqlen, resolved)
+    check_layout(q, k, v, cu_seqlens, max_seqlen, resolved, separate_keys=cu_seqlens_k is not None)
     if validate and not torch.compiler.is_compiling() and cu_seqlens.device.type == "cpu" and not is_fake(cu_seqlens):
-        check_offsets(cu_seqlens, q.shape[0], max_seqlen)  # host offsets: checked here for every kernel, for free
+        offsets = check_offsets(cu_seqlens, q.shape[0], max_seqlen)  # host offsets: checked here, for free
+        if cu_seqlens_k is not None:
+            check_key_offsets(cu_seqlens_k, k.shape[0], max_seqlen_k, offsets, causal)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None (no cap), got {softcap!r}")
-    out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved)
+    out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved, cu_seqlens_k,
+                                 max_seqlen_k)
     return out

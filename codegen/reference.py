@@ -1,7 +1,10 @@
 """Plain-torch packed attention: the oracle for the Triton kernels and the CPU path of the custom op.
 
 Each sequence of the packed batch is attended separately (so cost is the sum of per-sequence costs and no
-cross-sequence score is ever formed).  Arithmetic is fp32 whatever the input dtype.  The backward pass uses
+cross-sequence score is ever formed).  With ``offsets_k`` the queries and keys of a sequence are different
+spans (a query chunk of a long sequence against the keys up to its end, as context parallelism runs it): causal
+is then aligned at the bottom right, query row r of a chunk of Lq rows seeing key c of Lk iff c <= r + Lk - Lq.
+Arithmetic is fp32 whatever the input dtype.  The backward pass uses
 the same recomputation as the kernels: probabilities are rebuilt from the saved log-sum-exp, so the forward
 needs to keep only the output and one fp32 value per (head, token).
 """
@@ -26,9 +29,17 @@ def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap else scores
 
 
-def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
-    """(len, len) boolean, True where key j is visible to query i (j <= i)."""
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+def causal_mask(length: int, device: torch.device, keys: int | None = None) -> torch.Tensor:
+    """(len, keys) boolean, True where key j is visible to query i (j <= i + keys - len; keys defaults to len)."""
+    keys = length if keys is None else keys
+    return torch.ones(length, keys, dtype=torch.bool, device=device).tril(keys - length)
+
+
+def segment_pairs(offsets: list[int], offsets_k: list[int] | None) -> list[tuple[int, int, int, int]]:
+    """``(q_start, q_end, k_start, k_end)`` of every segment with queries; keys are the query span itself when
+    ``offsets_k`` is None."""
+    keys = offsets if offsets_k is None else offsets_k
+    return [(qs, qe, ks, ke) for qs, qe, ks, ke in zip(offsets[:-1], offsets[1:], keys[:-1], keys[1:]) if qe > qs]
 
 
 def reference_forward(
@@ -40,20 +51,21 @@ def reference_forward(
     causal: bool,
     softmax_scale: float,
     softcap: float = 0.0,
+    offsets_k: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32. ``softcap``
-    (when > 0) caps the scaled scores to ``softcap * tanh(s / softcap)``."""
+    (when > 0) caps the scaled scores to ``softcap * tanh(s / softcap)``; ``offsets_k``: the keys' own spans."""
     total_tokens, heads_q, _ = q.shape
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(heads_q, total_tokens, dtype=torch.float32, device=q.device)
-    for start, end in sequence_spans(offsets):
+    for start, end, k_start, k_end in segment_pairs(offsets, offsets_k):
         q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
-        k_seq = _expand_kv(k[start:end], group_size)
-        v_seq = _expand_kv(v[start:end], group_size)
-        scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)  # (heads_q, len, len)
+        k_seq = _expand_kv(k[k_start:k_end], group_size)
+        v_seq = _expand_kv(v[k_start:k_end], group_size)
+        scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)  # (heads_q, len, keys)
         if causal:
-            scores = scores.masked_fill(~_causal_mask(end - start, q.device), float("-inf"))
+            scores = scores.masked_fill(~causal_mask(end - start, q.device, k_end - k_start), float("-inf"))
         seq_lse = torch.logsumexp(scores, dim=-1)  # (heads_q, len)
         probs = torch.exp(scores - seq_lse.unsqueeze(-1))
         out[start:end] = torch.matmul(probs, v_seq).transpose(0, 1).to(q.dtype)
@@ -73,22 +85,23 @@ def reference_backward(
     causal: bool,
     softmax_scale: float,
     softcap: float = 0.0,
+    offsets_k: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for q, k and v, recomputing probabilities from the saved ``lse``."""
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group_size = heads_q // heads_kv
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for start, end in sequence_spans(offsets):
-        length = end - start
+    for start, end, k_start, k_end in segment_pairs(offsets, offsets_k):
+        length, keys = end - start, k_end - k_start
         q_seq = q[start:end].transpose(0, 1).float()  # (heads_q, len, d)
-        k_seq = _expand_kv(k[start:end], group_size)
-        v_seq = _expand_kv(v[start:end], group_size)
+        k_seq = _expand_kv(k[k_start:k_end], group_size)
+        v_seq = _expand_kv(v[k_start:k_end], group_size)
         do_seq = grad_out[start:end].transpose(0, 1).float()
         o_seq = out[start:end].transpose(0, 1).float()
         scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)
         probs = torch.exp(scores - lse[:, start:end].unsqueeze(-1))
         if causal:
-            probs = probs.masked_fill(~_causal_mask(length, q.device), 0.0)
+            probs = probs.masked_fill(~causal_mask(length, q.device, keys), 0.0)
         delta = (do_seq * o_seq).sum(dim=-1, keepdim=True)  # (heads_q, len, 1) = rowsum(P * dP)
         grad_probs = torch.matmul(do_seq, v_seq.transpose(1, 2))
         grad_scores = probs * (grad_probs - delta)
@@ -97,12 +110,12 @@ def reference_backward(
         grad_q_seq = torch.matmul(grad_scores, k_seq) * softmax_scale
         # Sum the group's query heads back onto their shared kv head: (heads_q, len, d) -> (heads_kv, len, d).
         grad_k_seq = (torch.matmul(grad_scores.transpose(1, 2), q_seq) * softmax_scale).view(
-            heads_kv, group_size, length, head_dim
+            heads_kv, group_size, keys, head_dim
         ).sum(dim=1)
-        grad_v_seq = torch.matmul(probs.transpose(1, 2), do_seq).view(heads_kv, group_size, length, head_dim).sum(1)
+        grad_v_seq = torch.matmul(probs.transpose(1, 2), do_seq).view(heads_kv, group_size, keys, head_dim).sum(1)
         grad_q[start:end] = grad_q_seq.transpose(0, 1).to(q.dtype)
-        grad_k[start:end] = grad_k_seq.transpose(0, 1).to(k.dtype)
-        grad_v[start:end] = grad_v_seq.transpose(0, 1).to(v.dtype)
+        grad_k[k_start:k_end] = grad_k_seq.transpose(0, 1).to(k.dtype)
+        grad_v[k_start:k_end] = grad_v_seq.transpose(0, 1).to(v.dtype)
     return grad_q, grad_k, grad_v
 
 
@@ -129,7 +142,7 @@ def softcapped_attention(
     scores = _capped(torch.matmul(query, key.transpose(-2, -1)).float() * scale, softcap)
     length = query.shape[-2]
     if is_causal:
-        scores = scores.masked_fill(~_causal_mask(length, query.device), float("-inf"))
+        scores = scores.masked_fill(~causal_mask(length, query.device), float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask

@@ -5,9 +5,12 @@ The bodies are plain Python functions, not yet jitted: ``codegen.triton_launch``
 ``TRITON_INTERPRET`` is read when a kernel is first generated, not when this module is imported.
 
 Layout: q, out, dout, dq are (total_tokens, heads_q, head_dim); k, v, dk, dv are (total_tokens, heads_kv,
-head_dim); lse and delta are (heads_q, total_tokens) fp32; ``cu_seqlens`` is int32 (num_seqs + 1). A program
-handles one block of rows of one sequence and one head; rows past the sequence's end are masked, programs whose
-block starts past the end return at once. Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) - lse *
+head_dim); lse and delta are (heads_q, total_tokens) fp32; ``cu_seqlens`` is int32 (num_seqs + 1) over the
+queries and ``cu_seqlens_k`` the same over the keys (the same tensor for self-attention; a different one when a
+query chunk of a long sequence attends the keys up to its end: causal is then aligned at the bottom right, row r
+of Lq rows seeing key c of Lk iff c <= r + Lk - Lq). A program handles one block of rows of one sequence and one
+head; rows past the sequence's end are masked, programs whose block starts past the end return at once.
+Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) - lse *
 log2(e))``. ``SOFTCAP`` caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2's attention); the
 backward multiplies each score gradient by the cap's derivative. ``seqlen_bucket`` (max_seqlen rounded up to a
 power of two) is unused by the bodies: it is the autotune key on a GPU. ``UPCAST`` casts loaded q, k, v, dout to
@@ -49,7 +52,7 @@ def soft_cap(raw, cap):
 
 
 def packed_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     scale, softcap, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -60,6 +63,10 @@ def packed_attention_forward_kernel(
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
     start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    keys = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    k_start = k_start.to(tl.int64)
+    shift = keys - length  # 0 for self-attention: the causal diagonal's offset
     if block_m * BLOCK_M < length:
         head_kv = head // GROUP
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,17 +76,17 @@ def packed_attention_forward_kernel(
         m_i = tl.full([BLOCK_M], NEG_LARGE, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-        stop = length
+        stop = keys
         if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
-            stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+            stop = tl.minimum(keys, (block_m + 1) * BLOCK_M + shift)
         for col_start in range(0, stop, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)
-            col_ok = cols < length
-            k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
-            v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
+            col_ok = cols < keys
+            k = load_tile(k_ptr, k_start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
+            v = load_tile(v_ptr, k_start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
             visible = col_ok[None, :]
             if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None])
+                visible = visible & (cols[None, :] <= rows[:, None] + shift)
             raw = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 raw = soft_cap(raw, softcap)
@@ -97,7 +104,7 @@ def packed_attention_forward_kernel(
 
 
 def packed_attention_backward_dq_kernel(
-    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dqt, stride_dqh, stride_lh,
     scale, softcap, seqlen_bucket,
@@ -109,6 +116,10 @@ def packed_attention_backward_dq_kernel(
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
     start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    keys = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    k_start = k_start.to(tl.int64)
+    shift = keys - length  # 0 for self-attention: the causal diagonal's offset
     if block_m * BLOCK_M < length:
         head_kv = head // GROUP
         rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -119,17 +130,17 @@ def packed_attention_backward_dq_kernel(
         lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
         delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
         dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-        stop = length
+        stop = keys
         if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
-            stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+            stop = tl.minimum(keys, (block_m + 1) * BLOCK_M + shift)
         for col_start in range(0, stop, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)
-            col_ok = cols < length
-            k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
-            v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
+            col_ok = cols < keys
+            k = load_tile(k_ptr, k_start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
+            v = load_tile(v_ptr, k_start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
             visible = col_ok[None, :] & row_ok[:, None]
             if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None])
+                visible = visible & (cols[None, :] <= rows[:, None] + shift)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 s = soft_cap(s, softcap)
@@ -145,7 +156,7 @@ def packed_attention_backward_dq_kernel(
 
 
 def packed_attention_backward_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     scale, softcap, seqlen_bucket,
@@ -159,18 +170,22 @@ def packed_attention_backward_dkdv_kernel(
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
     start = start.to(tl.int64)  # token offsets times strides can pass 2**31 in large packed batches
-    if block_n * BLOCK_N < length:
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    keys = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    k_start = k_start.to(tl.int64)
+    shift = keys - length  # 0 for self-attention: the causal diagonal's offset
+    if block_n * BLOCK_N < keys:
         cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
-        col_ok = cols < length
-        k = load_tile(k_ptr, start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
-        v = load_tile(v_ptr, start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
+        col_ok = cols < keys
+        k = load_tile(k_ptr, k_start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
+        v = load_tile(v_ptr, k_start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
         dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         # Causal: query rows before this key block see none of it; start at the block that holds its first key.
         first_row = 0
         if CAUSAL:
-            first_row = (block_n * BLOCK_N // BLOCK_M) * BLOCK_M
+            first_row = (tl.maximum(block_n * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
         for member in range(GROUP):
             head = head_kv * GROUP + member
             for row_start in range(first_row, length, BLOCK_M):
@@ -182,7 +197,7 @@ def packed_attention_backward_dkdv_kernel(
                 delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
                 visible = col_ok[:, None] & row_ok[None, :]  # transposed: (keys, queries)
                 if CAUSAL:
-                    visible = visible & (cols[:, None] <= rows[None, :])
+                    visible = visible & (cols[:, None] <= rows[None, :] + shift)
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale
                 if SOFTCAP:
                     s_t = soft_cap(s_t, softcap)
@@ -194,7 +209,7 @@ def packed_attention_backward_dkdv_kernel(
                     ds_t = ds_t * (1.0 - (s_t / softcap) * (s_t / softcap))
                 dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
         dk = dk * scale
-        tl.store(dk_ptr + (start + cols)[:, None] * stride_dkt + head_kv * stride_dkh + dims[None, :],
+        tl.store(dk_ptr + (k_start + cols)[:, None] * stride_dkt + head_kv * stride_dkh + dims[None, :],
                  dk.to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(dv_ptr + (start + cols)[:, None] * stride_dvt + head_kv * stride_dvh + dims[None, :],
+        tl.store(dv_ptr + (k_start + cols)[:, None] * stride_dvt + head_kv * stride_dvh + dims[None, :],
                  dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])

@@ -126,31 +126,42 @@ def _nothing_to_do(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
 
 def triton_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    *, causal: bool, softmax_scale: float, softcap: float = 0.0,
+    *, causal: bool, softmax_scale: float, softcap: float = 0.0, cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed attention forward with the generated kernel: ``out`` like q and fp32 ``lse`` (heads_q, tokens)."""
+    """Packed attention forward with the generated kernel: ``out`` like q and fp32 ``lse`` (heads_q, tokens).
+    ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' own spans (default: the queries')."""
     require_triton_runnable(q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     if _nothing_to_do(q, cu_seqlens, max_seqlen):
         return out, lse
+    cu_k, max_k = _key_spans(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     specs = _problem_specs(q, k, causal)
     args = (
-        q, k, v, out, lse, cu_seqlens,
+        q, k, v, out, lse, cu_seqlens, cu_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), softmax_scale, softcap,
     )
     with _device_guard(q.device):
         _launch("packed_attention_forward_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
-                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max_seqlen, softcap)
+                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max(max_seqlen, max_k), softcap)
     return out, lse
+
+
+def _key_spans(cu_seqlens: torch.Tensor, max_seqlen: int, cu_seqlens_k: torch.Tensor | None,
+               max_seqlen_k: int | None) -> tuple[torch.Tensor, int]:
+    """The keys' offsets and the bound on their longest span (the queries' when not given)."""
+    if cu_seqlens_k is None:
+        return cu_seqlens, max_seqlen
+    return cu_seqlens_k, max_seqlen if max_seqlen_k is None else max_seqlen_k
 
 
 def triton_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
-    softcap: float = 0.0,
+    softcap: float = 0.0, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for q, k, v: a dq kernel over query blocks and a dk/dv kernel over key blocks."""
     require_triton_runnable(q.device)
@@ -160,20 +171,22 @@ def triton_backward(
         return grad_q, grad_k, grad_v
     # delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: (tokens, heads_q, d) -> (heads_q, tokens)
     delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(0, 1).contiguous()
+    cu_k, max_k = _key_spans(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
+    longest = max(max_seqlen, max_k)  # the autotune key
     specs = _problem_specs(q, k, causal)
     num_seqs = cu_seqlens.shape[0] - 1
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               grad_out.stride(0), grad_out.stride(1))
-    dq_args = (q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, *common,
+    dq_args = (q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, cu_k, *common,
                grad_q.stride(0), grad_q.stride(1), lse.stride(0), softmax_scale, softcap)
-    dkdv_args = (q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, *common,
+    dkdv_args = (q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, cu_k, *common,
                  grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1), lse.stride(0), softmax_scale,
                  softcap)
     with _device_guard(q.device):
         _launch("packed_attention_backward_dq_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
-                (num_seqs, q.shape[1]), dq_args, max_seqlen, softcap)
-        _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_N"]),
-                (num_seqs, k.shape[1]), dkdv_args, max_seqlen, softcap)
+                (num_seqs, q.shape[1]), dq_args, longest, softcap)
+        _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(max_k, meta["BLOCK_N"]),
+                (num_seqs, k.shape[1]), dkdv_args, longest, softcap)
     return grad_q, grad_k, grad_v
 
 

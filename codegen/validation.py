@@ -31,8 +31,10 @@ def check_layout(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     kernel: str,
+    separate_keys: bool = False,
 ) -> None:
-    """Validate shapes, dtypes, devices and head counts for a resolved kernel (no tensor values are read)."""
+    """Validate shapes, dtypes, devices and head counts for a resolved kernel (no tensor values are read).
+    ``separate_keys``: the keys have their own offsets, so their token count may differ from the queries'."""
     if kernel not in RESOLVED_KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {RESOLVED_KERNELS}; resolve 'auto' first")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
@@ -48,7 +50,7 @@ def check_layout(
         raise ValueError(f"kernel='cpu-flash' runs on the CPU only; the tensors are on {q.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
+    if k.shape[0] != q.shape[0] and not separate_keys:
         raise ValueError(f"q has {q.shape[0]} tokens but k and v have {k.shape[0]}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q head_dim={q.shape[2]} differs from k/v head_dim={k.shape[2]}")
@@ -95,3 +97,29 @@ def check_offsets(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) 
     if longest > max_seqlen:
         raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence in cu_seqlens ({longest})")
     return offsets
+
+
+def check_key_offsets(cu_seqlens_k: torch.Tensor, total_keys: int, max_seqlen_k: int | None, offsets: list[int],
+                      causal: bool) -> list[int]:
+    """Validate the keys' own offsets against the queries' (validated) ``offsets``: one key span per query span,
+    and every query row sees at least one key (causal: each key span at least as long as its query span, whose
+    last row is aligned with the last key)."""
+    if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.dim() != 1:
+        raise ValueError(f"cu_seqlens_k must be 1-D torch.int32; got {cu_seqlens_k.dtype} of shape "
+                         f"{tuple(cu_seqlens_k.shape)}")
+    if max_seqlen_k is None:
+        raise ValueError("cu_seqlens_k is given without max_seqlen_k")
+    keys = check_offsets(cu_seqlens_k, total_keys, max_seqlen_k)
+    if len(keys) != len(offsets):
+        raise ValueError(f"cu_seqlens_k has {len(keys) - 1} key spans but cu_seqlens has {len(offsets) - 1} "
+                         "query spans; they must pair up")
+    for index, (queries, span) in enumerate(zip(_lengths(offsets), _lengths(keys))):
+        least = queries if causal else min(queries, 1)
+        if span < least:
+            raise ValueError(f"span {index} has {queries} queries but {span} keys; "
+                             f"{'causal attention' if causal else 'attention'} needs at least {least}")
+    return keys
+
+
+def _lengths(offsets: list[int]) -> list[int]:
+    return [end - start for start, end in zip(offsets[:-1], offsets[1:])]

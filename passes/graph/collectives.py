@@ -9,6 +9,8 @@ group's ``group_name`` so that the graph stays printable and compilable:
   replicated slice (key/value heads replicated because there are fewer than tp);
 - ``tp_all_gather``: forward concatenation of every rank's block along a dim, backward this rank's block
   (after a vocab-parallel LM head);
+- ``cp_all_gather``: forward every context-parallel rank's keys or values padded to one width and stacked,
+  backward the sum over the group of this rank's rows (``passes.graph.context_parallel``);
 
 and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows; :func:`all_reduce_tensor`,
 a plain (not autograd) sum or max over a named group.
@@ -23,7 +25,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather",
-           "vocab_parallel_embedding", "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER"]
+           "vocab_parallel_embedding", "cp_all_gather", "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER",
+           "CP_ALL_GATHER"]
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -128,6 +131,42 @@ def _gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
 tp_all_gather.register_autograd(_gather_grad, setup_context=_setup_gather)
 
 
+@torch.library.custom_op("hydraulis::cp_all_gather", mutates_args=())
+def cp_all_gather(x: torch.Tensor, group: str, width: int, world: int, rank: int) -> torch.Tensor:
+    """Every rank's ``x`` (tokens first, at most ``width`` of them) padded to ``width`` rows and stacked in rank
+    order: (world * width, ...). The gradient of this rank's rows is summed over the group and returned to it."""
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    out = x.new_empty((world * width, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=_resolve_process_group(group))
+    return out
+
+
+@cp_all_gather.register_fake
+def _(x: torch.Tensor, group: str, width: int, world: int, rank: int) -> torch.Tensor:
+    return x.new_empty((world * width, *x.shape[1:]))
+
+
+def _setup_cp_gather(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, ctx.group, ctx.width, ctx.world, ctx.rank = inputs
+    ctx.tokens = x.shape[0]
+
+
+def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
+    group = _resolve_process_group(ctx.group)
+    grad = grad.contiguous()
+    if dist.get_backend(group) == "nccl":  # each rank receives only its own rows, summed
+        mine = grad.new_empty((ctx.width, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(mine, grad, group=group)
+    else:  # gloo has no reduce-scatter: sum everything, keep this rank's rows
+        dist.all_reduce(grad, group=group)
+        mine = grad[ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width]
+    return mine[:ctx.tokens].contiguous(), None, None, None, None
+
+
+cp_all_gather.register_autograd(_cp_gather_grad, setup_context=_setup_cp_gather)
+
+
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, group: str) -> torch.Tensor:
     """Embedding lookup in rows ``start .. start + weight.shape[0]`` of a vocabulary split over the group:
     ids outside this rank's rows contribute zeros, and the all-reduce assembles every token's row."""
@@ -142,3 +181,4 @@ TP_ALL_REDUCE = torch.ops.hydraulis.tp_all_reduce.default
 TP_COPY = torch.ops.hydraulis.tp_copy.default
 TP_GRAD_SHARE = torch.ops.hydraulis.tp_grad_share.default
 TP_ALL_GATHER = torch.ops.hydraulis.tp_all_gather.default
+CP_ALL_GATHER = torch.ops.hydraulis.cp_all_gather.default
