@@ -23,7 +23,8 @@ from passes.plan.ir import CostModel, ParallelScheme, Strategy
 from passes.plan.movement import ComputeLayout, merged
 from runtime.fixed_layout import FixedLayout
 
-__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout"]
+__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
+           "with_context_parallel", "token_ranks"]
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims, vocabulary) reads."""
@@ -55,6 +56,31 @@ def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tok
                                 runtime=runtime)
     per_rank = (1024 if hardware is CPU else None) if tokens_per_rank is None else tokens_per_rank
     return model if per_rank is None else cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
+
+
+def token_ranks(scheme: ParallelScheme) -> int:
+    """Ranks whose memory one micro-batch of ``scheme`` spreads over (on one stage): tp times cp."""
+    return scheme.tp * scheme.cp
+
+
+def with_context_parallel(model: CostModel, strategies: str | Sequence[str]) -> CostModel:
+    """``model`` with an entry for every context-parallel scheme the listed ``strategies`` name (none for
+    "auto": the trainer plans CP only where it is listed), derived from its (tp, pp) scheme's: the per-token and
+    attention work split over the cp ranks (the layout gives each the same causal work), the fixed cost and
+    the K/V all-gather not modelled (a CPU job's listed strategy is run as listed; ``hcompile plan`` models CP
+    at scale), ``cp`` times the tokens. A listed CP scheme whose (tp, pp) scheme the model lacks is left to
+    :func:`check_strategies` to refuse."""
+    if strategies == "auto":
+        return model
+    known = {e.scheme: e for e in model.entries}
+    added = {}
+    for text in strategies:
+        for scheme in Strategy.parse(text).schemes:
+            base = known.get(ParallelScheme(tp=scheme.tp, pp=scheme.pp))
+            if scheme.cp > 1 and scheme not in known and base is not None:
+                added[scheme] = dataclasses.replace(base, scheme=scheme, a=base.a / scheme.cp, b=base.b / scheme.cp,
+                                                    max_tokens=base.max_tokens * scheme.cp)
+    return dataclasses.replace(model, entries=model.entries + tuple(added.values())) if added else model
 
 
 def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:

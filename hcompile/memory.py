@@ -78,7 +78,7 @@ def tokens_a_rank_holds(graph: fx.GraphModule, tokens: int, device: torch.device
 
 
 def bound_caps(model: CostModel, holds: tuple[int, float, int], tokens_per_rank: int | None) -> CostModel:
-    """``model`` with each scheme's cap at most what its ranks hold (``tp`` times one rank's); an explicit
+    """``model`` with each scheme's cap at most what its ranks hold (``tp * cp`` times one rank's); an explicit
     ``tokens_per_rank`` above one rank's is a :class:`MemoryCapError`."""
     tokens, per_token, usable = holds
     what = (f"about {tokens} tokens fit in a rank's {usable / 2**30:.1f} GiB at {per_token / 1024:.1f} KiB per "
@@ -86,7 +86,8 @@ def bound_caps(model: CostModel, holds: tuple[int, float, int], tokens_per_rank:
     if tokens_per_rank is not None and tokens_per_rank > tokens:
         raise MemoryCapError(f"tokens_per_rank={tokens_per_rank} is more than this machine holds: {what}; pass "
                              f"tokens_per_rank <= {tokens}")
-    entries = tuple(dataclasses.replace(e, max_tokens=min(e.max_tokens, tokens * e.scheme.tp)) for e in model.entries)
+    entries = tuple(dataclasses.replace(e, max_tokens=min(e.max_tokens, tokens * e.scheme.tp * e.scheme.cp))
+                    for e in model.entries)
     if max(e.max_tokens for e in entries) < 1:
         raise MemoryCapError(f"this model does not fit: {what}")
     return dataclasses.replace(model, entries=entries)

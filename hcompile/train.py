@@ -20,7 +20,14 @@ import torch
 
 from hcompile.api import CompiledModel
 from hcompile.capture import CaptureError
-from hcompile.cost import ANALYSIS_TOKENS, cap_tokens, check_strategies, default_cost_model
+from hcompile.cost import (
+    ANALYSIS_TOKENS,
+    cap_tokens,
+    check_strategies,
+    default_cost_model,
+    token_ranks,
+    with_context_parallel,
+)
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, tokens_a_rank_holds
 from hcompile.verify import prepare_strategy
@@ -192,15 +199,17 @@ class Trainer:
                                   chunk_numel=self.executor.chunk_numel)
         model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,
                                                  options.tokens_per_rank, memory, self.ctx.device)
+        model = with_context_parallel(model, options.strategies)
         if cost_model is not None and options.tokens_per_rank is not None:
-            model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
+            model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)
+                                       for e in model.entries})
         model = bound_caps(model, self._holds(analysed, memory), options.tokens_per_rank)  # before any capture there
         check_strategies(options.strategies, model, analysed, self.ctx.world_size)
-        capturable = self._largest_capturable(max(e.max_tokens for e in model.entries))
-        self.cost_model = dataclasses.replace(cap_tokens(model, {e.scheme: capturable for e in model.entries}),
-                                              buckets=self.buckets.sizes)
-        """What the planner plans with: capped at the largest capturable bucket, each micro-batch charged the
-        padding up to its bucket, as the variants run it."""
+        capturable = self._largest_capturable(max(e.max_tokens // e.scheme.cp for e in model.entries))
+        self.cost_model = dataclasses.replace(
+            cap_tokens(model, {e.scheme: capturable * e.scheme.cp for e in model.entries}), buckets=self.buckets.sizes)
+        """What the planner plans with: capped at the largest capturable bucket (a CP rank's share of it), each
+        micro-batch charged the padding up to its bucket, as the variants run it."""
         self.lowerings: LoweringCache = compiled.lowerings(
             *self._compute_copies(), buckets=self.buckets, cost_tokens=self.cost_model.max_tokens,
             pieces=options.movement_pieces if options.overlap_movement else 1)
@@ -293,23 +302,26 @@ class Trainer:
     def program(self, plan: StepPlan) -> StageVariants:
         """This rank's stage program in ``plan`` (collective the first time a placement is met: its process
         groups are made on every rank)."""
-        replica, stage, tp_rank = plan.position_of(self.ctx.rank)
+        place = plan.place_of(self.ctx.rank)
         groups = self.executor.groups_for(plan)
-        ranks = plan.replicas[replica]
-        group = comm.group_name(groups.get(ranks.tp_groups[stage]))
-        return self.lowerings.program(ranks.scheme, stage, tp_rank, group)
+        ranks = plan.replicas[place.replica]
+        group = comm.group_name(groups.get(ranks.tp_group(place.stage, place.cp_rank)))
+        cp_group = (comm.group_name(groups.get(ranks.cp_group(place.stage, place.tp_rank)))
+                    if ranks.scheme.cp > 1 else None)
+        return self.lowerings.program(ranks.scheme, place.stage, place.tp_rank, group, place.cp_rank, cp_group)
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
         """Lower, check and compile, before the first step, every variant these strategies can need: for each
         strategy, this rank's lowering is built and checked on a probe (``hcompile.verify``: a strategy that
         cannot be lowered or computes anything else is the same ``LoweringError`` on every rank); then for each
         token bucket up to its replicas' caps, a dry-run step (forward and backward, parameters untouched)
-        with one micro-batch of that bucket on every replica that can hold it (collective)."""
+        with one micro-batch of that bucket on every replica that can hold it (collective; a context-parallel
+        replica gets a sequence cp times as long, so that each of its ranks runs that bucket)."""
         for strategy in strategies:
             if strategy in self._warm:
                 continue
             replicas = strategy.replicas()
-            top = [self.buckets.bucket_for(self.cost_model.max_tokens(s)) for s in replicas]
+            top = [self.buckets.bucket_for(self.cost_model.max_tokens(s) // s.cp) for s in replicas]
             dry = _dry_plan(strategy, [0] * len(replicas), self.cost_model.gpus_per_node)
             prepare_strategy(dry, rank=self.ctx.rank, groups=self.executor.groups_for(dry), lowerings=self.lowerings,
                              model=self.compiled.model, device=self.ctx.device, dtype=self.param_dtype,
@@ -317,7 +329,7 @@ class Trainer:
             self._warm.add(strategy)
             self._warm_places.update(zip(replicas, self._placement(strategy)))
             for bucket in (b for b in self.buckets.sizes if b <= max(top)):
-                lens = [min(bucket, self.cost_model.max_tokens(s)) if bucket <= t else 0
+                lens = [min(bucket * s.cp, self.cost_model.max_tokens(s)) if bucket <= t else 0
                         for s, t in zip(replicas, top)]
                 plan = _dry_plan(strategy, lens, self.cost_model.gpus_per_node)
                 self.executor.run_step(plan, [torch.zeros(n, dtype=torch.long) for n in lens if n],

@@ -68,23 +68,26 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
     remembers them). ``plan``: the strategy placed (its data does not matter); ``groups``: its process groups.
     Collective; raises the same :class:`LoweringError` on every rank when any rank failed."""
     strategy = plan.strategy
-    replica, stage, tp_rank = plan.position_of(rank)
-    scheme = plan.replicas[replica].scheme
-    group = comm.group_name(groups.get(plan.replicas[replica].tp_groups[stage]))
+    place = plan.place_of(rank)
+    stage, tp_rank, cp_rank = place.stage, place.tp_rank, place.cp_rank
+    replica = plan.replicas[place.replica]
+    scheme = replica.scheme
+    group = comm.group_name(groups.get(replica.tp_group(stage, cp_rank)))
+    cp_group = comm.group_name(groups.get(replica.cp_group(stage, tp_rank))) if scheme.cp > 1 else None
     error = None
     try:
-        lowerings.variant(scheme, stage, lowerings.buckets.sizes[0], tp_rank, group)
+        lowerings.variant(scheme, stage, lowerings.buckets.sizes[0], tp_rank, group, cp_rank, cp_group)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, whatever it is
         error = f"{scheme.describe()} on rank {rank}: {type(e).__name__}: {e}"
     _refuse(_agree(error), f"strategy {strategy.describe()} cannot be lowered")
     if not self_check:
         return
-    key = (scheme, tp_rank)
+    key = (scheme, tp_rank, cp_rank)
     if key not in checked:  # the ranks that checked before still take part in the agreement below
         checked.add(key)
         try:
-            report = _check(lowerings, lowerings.lowering(scheme, stage, tp_rank, group), group, vocab, model,
-                            device, dtype)
+            report = _check(lowerings, lowerings.lowering(scheme, stage, tp_rank, group, cp_rank, cp_group), group,
+                            vocab, model, device, dtype)
             error = None if report.ok else report.describe()
             log.debug("lowering check: %s", report.describe())
         except Exception as e:  # noqa: BLE001
@@ -97,12 +100,14 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
 
 def _check(lowerings: LoweringCache, lowering: Lowering, group: str | None, vocab: int | None, model: nn.Module,
            device: torch.device, dtype: torch.dtype):
-    """The decided lowering of (scheme, TP rank), every stage of it, on a probe at the first bucket."""
+    """The decided lowering of (scheme, TP rank, CP rank), every stage of it, on a probe at the first bucket."""
     scheme, tp_rank = lowering.scheme, lowering.tp_rank
     lower: Callable = lambda gm: lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group,  # noqa: E731
                                              attention_kernel=lowerings.kernel,
-                                             tensor_parallel=lowering.tensor_parallel, pipeline=lowering.pipeline)
+                                             tensor_parallel=lowering.tensor_parallel, pipeline=lowering.pipeline,
+                                             cp_rank=lowering.cp_rank, cp_group=lowering.cp_group)
     return check_lowering(lowerings.capture(lowerings.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=group,
                           lower=lower, reference=model_reference(model, device),
                           buffer=lambda n, v: lowerings.buffer(n) if v.device.type == "meta" else v,
-                          vocab=vocab or 2, device=device, dtype=dtype)
+                          vocab=vocab or 2, device=device, dtype=dtype, cp_rank=lowering.cp_rank,
+                          cp_group=lowering.cp_group)

@@ -105,11 +105,11 @@ class GroupCache:
         self._placements: set[tuple[tuple[tuple[int, ...], ...], ...]] = set()
 
     def prepare(self, replicas: Sequence[ReplicaPlan]) -> None:
-        """Create (once per placement) the groups ``replicas`` use: the tensor-parallel group of every stage of
-        every replica (pipeline neighbours talk point to point on the default group, replicas not at all). Under
-        NCCL each group is a communicator, so nothing else is made. Collective: every rank passes the same
-        replicas (``StepPlan.replicas``)."""
-        placement = tuple(r.tp_groups for r in replicas)
+        """Create (once per placement) the groups ``replicas`` use: every tensor-parallel group of every replica,
+        then every context-parallel one (pipeline neighbours talk point to point on the default group, replicas
+        not at all). Under NCCL each group is a communicator, so nothing else is made. Collective: every rank
+        passes the same replicas (``StepPlan.replicas``)."""
+        placement = tuple(r.tp_groups + r.cp_groups for r in replicas)
         if placement in self._placements:
             return
         for groups in placement:

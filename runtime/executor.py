@@ -12,7 +12,6 @@ from the phase hooks (``runtime.measure``), which the executor calls and does no
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
 
 import torch
@@ -20,12 +19,13 @@ from torch import nn
 from torch.profiler import record_function
 
 from passes.graph.tensor_parallel import ParamSlice
-from passes.plan.ir import ParallelScheme, ReplicaPlan, StepPlan, Strategy
+from passes.plan.ir import ParallelScheme, Place, ReplicaPlan, StepPlan, Strategy
 from runtime import distributed as comm
+from runtime import micro_batch
 from runtime.cpu_clock import RankCpuClock
 from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout
-from runtime.loss import global_pair_count, packed_causal_lm_loss_sum
+from runtime.loss import global_pair_count
 from runtime.measure import PhaseHook, StepMeter, StepState, StepStats
 from runtime.overlap import DEFAULT_WINDOWS, PullInFlight, PushInFlight, WindowedMovement, layout_windows
 from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
@@ -54,7 +54,9 @@ class StageProgram(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                  boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The stage's outputs: the tensors the next stage takes, or ``(logits,)`` (T, vocab) on the last."""
+        """The stage's outputs: the tensors the next stage takes, or ``(logits,)`` (T, vocab) on the last. A
+        program of a context-parallel scheme also takes ``cp_inputs=`` (``runtime.micro_batch.MicroBatch``) and
+        has ``bucket(tokens)``, the padded size a share of ``tokens`` tokens runs at."""
 
     def boundary_in(self, tokens: int) -> list:
         """What the stage receives from the previous one for a micro-batch of ``tokens`` tokens, in order: per
@@ -66,11 +68,8 @@ def pack_micro_batch(batch: Sequence[torch.Tensor], indices: Sequence[int],
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Concatenate whole sequences: (input_ids (T,), cu_seqlens int32 (n+1,), max_seqlen), built on the host
     from the host batch and copied to ``device``: only these sequences travel, and nothing is read back."""
-    seqs = [batch[i] for i in indices]
-    lengths = [int(t.numel()) for t in seqs]  # host tensors: no device read
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cpu")
-    ids = torch.cat([t.cpu() for t in seqs])
-    return ids.to(device, non_blocking=True), cu.to(device, non_blocking=True), max(lengths)
+    mb = micro_batch.packed(batch, indices, device)
+    return mb.ids, mb.cu_seqlens, mb.max_seqlen
 
 
 class Executor:
@@ -110,9 +109,9 @@ class Executor:
         self.groups.prepare(plan.replicas)
         return self.groups
 
-    def tp_group(self, replica: ReplicaPlan, stage: int) -> comm.ProcessGroup | None:
-        """The TP group of ``stage`` of ``replica`` (None for one rank)."""
-        return self.groups.get(replica.tp_groups[stage])
+    def tp_group(self, replica: ReplicaPlan, stage: int, cp_rank: int = 0) -> comm.ProcessGroup | None:
+        """The TP group of ``stage`` (at ``cp_rank``) of ``replica`` (None for one rank)."""
+        return self.groups.get(replica.tp_group(stage, cp_rank))
 
     def stage_params(self, program: StageProgram, scheme: ParallelScheme, position: tuple) -> StageParams:
         """The compute copy of ``program``'s slices at ``position`` (made and bound once per position)."""
@@ -134,11 +133,13 @@ class Executor:
         """One training step: every rank calls it with the same plan and global batch, and the program of its
         own place in the plan (``plan.position_of(rank)``). A dry run computes forward and backward
         (compiling what it meets) but leaves parameters and optimiser alone."""
-        replica, stage, tp_rank = plan.position_of(self.ctx.rank)
+        place = plan.place_of(self.ctx.rank)
+        replica, stage, tp_rank = place.replica, place.stage, place.tp_rank
         self.groups_for(plan)
         ranks = plan.replicas[replica]
         step = StepState(plan=plan, replica=replica, stage=stage, tp_rank=tp_rank, dry_run=dry_run)
-        params = self.stage_params(program, ranks.scheme, (ranks.scheme, stage, tp_rank, ranks.tp_groups[stage]))
+        params = self.stage_params(program, ranks.scheme, (ranks.scheme, stage, tp_rank, place.cp_rank,
+                                                           ranks.tp_group(stage, place.cp_rank)))
         move = self.redistribution(plan.strategy, params)
         self._phase("pull", step)
         pull: PullInFlight | None = None
@@ -156,13 +157,13 @@ class Executor:
         self._phase("pulled", step)
         self._phase("compute", step)
         pairs = global_pair_count(plan.seq_lens)
-        micro = [pack_micro_batch(batch, mb, self.ctx.device) for mb in ranks.micro_batches]
+        micro = self._micro_batches(batch, ranks, place.cp_rank, program)
         try:
             with record_function("hydraulis.compute"):
                 if ranks.scheme.pp == 1:
                     loss_sum = self._run_local(program, micro, pairs, self.ctx.device, flow)
                 else:
-                    loss_sum = _Pipeline(self.ctx.device, ranks, stage, tp_rank).run(program, micro, pairs, flow)
+                    loss_sum = _Pipeline(self.ctx.device, ranks, place).run(program, micro, pairs, flow)
         finally:
             params.on_accumulated = None
         if pull is not None:
@@ -170,7 +171,7 @@ class Executor:
             step.pull_wait_ms = pull.wait_s * 1e3
         counts = stage == ranks.scheme.pp - 1 and tp_rank == 0
         step.loss_sum = loss_sum if counts else torch.zeros_like(loss_sum)
-        step.tokens_computed = sum(plan.seq_lens[i] for mb in ranks.micro_batches for i in mb)
+        step.tokens_computed = sum(mb.tokens for mb in micro)
         self._phase("computed", step)
         params.release_data()  # backward is done: only the gradients are still needed
         if not dry_run:
@@ -187,6 +188,19 @@ class Executor:
             self.optimizer.zero_grad(set_to_none=True)
         self._phase("end", step)
         return step.stats
+
+    def _micro_batches(self, batch: Sequence[torch.Tensor], replica: ReplicaPlan, cp_rank: int,
+                       program: StageProgram) -> list[micro_batch.MicroBatch]:
+        """This rank's micro-batches: whole sequences, or under context parallelism its share of them, padded to
+        the bucket of the group's widest share (``StageProgram.bucket``)."""
+        cp, device = replica.scheme.cp, self.ctx.device
+        if cp == 1:
+            return [micro_batch.packed(batch, mb, device) for mb in replica.micro_batches]
+        bucket = getattr(program, "bucket", None)
+        if bucket is None:
+            raise TypeError(f"a {replica.scheme.describe()} replica runs a stage program with a bucket() method "
+                            f"(its token buckets); {type(program).__name__} has none")
+        return [micro_batch.context_parallel(batch, mb, cp, cp_rank, bucket, device) for mb in replica.micro_batches]
 
     def _phase(self, name: str, step: StepState) -> None:
         for hook in (reversed(self.hooks) if name == "computed" else self.hooks):
@@ -207,10 +221,10 @@ class Executor:
                    flow: "_Flow") -> torch.Tensor:
         """Forward and backward of every micro-batch; the loss sum stays on the device (read once per step)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (ids, cu, max_len) in enumerate(micro):
+        for i, mb in enumerate(micro):
             with flow.forward(first=i == 0):
-                (logits,) = program(ids, cu, max_len, ())
-            loss = packed_causal_lm_loss_sum(logits, ids, cu)
+                (logits,) = mb.run(program, ())
+            loss = mb.loss_sum(logits)
             flow.backward(last=i == len(micro) - 1)
             (loss / pairs).backward()
             total += loss.detach()
@@ -262,11 +276,11 @@ class _Pipeline:
     from its program (``StageProgram.boundary_in`` for the micro-batch's tokens; its own outputs for their
     gradients), and the loss stays on the device."""
 
-    def __init__(self, device: torch.device, replica: ReplicaPlan, stage: int, tp_rank: int):
-        groups = replica.tp_groups
-        self.pp, self.stage = len(groups), stage
-        self.prev = groups[stage - 1][tp_rank] if stage > 0 else None
-        self.next = groups[stage + 1][tp_rank] if stage + 1 < len(groups) else None
+    def __init__(self, device: torch.device, replica: ReplicaPlan, place: Place):
+        stage, cp_rank, tp_rank = place.stage, place.cp_rank, place.tp_rank
+        self.pp, self.stage = replica.scheme.pp, stage
+        self.prev = replica.rank_at(stage - 1, cp_rank, tp_rank) if stage > 0 else None
+        self.next = replica.rank_at(stage + 1, cp_rank, tp_rank) if stage + 1 < self.pp else None
         self.device = device
         self.in_flight: list[tuple[comm.Work, torch.Tensor]] = []
 
@@ -308,17 +322,16 @@ class _Pipeline:
             work.wait()
         return total
 
-    def _forward(self, program: StageProgram, mb: tuple, pairs: int):
-        ids, cu, max_len = mb
-        inputs = [] if self.prev is None else self._recv(program.boundary_in(int(ids.shape[0])), self.prev)
+    def _forward(self, program: StageProgram, mb: micro_batch.MicroBatch, pairs: int):
+        inputs = [] if self.prev is None else self._recv(program.boundary_in(int(mb.ids.shape[0])), self.prev)
         for t in _leaves(inputs):
             if t.is_floating_point():
                 t.requires_grad_(True)
-        outs = program(ids, cu, max_len, tuple(inputs))
+        outs = mb.run(program, tuple(inputs))
         if self.next is not None:
             self._send(_leaves(outs), self.next)
             return outs, inputs, torch.zeros((), dtype=torch.float64, device=self.device)
-        loss = packed_causal_lm_loss_sum(outs[0], ids, cu)
+        loss = mb.loss_sum(outs[0])
         return (loss / pairs,), inputs, loss.detach()
 
     def _backward(self, outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> None:

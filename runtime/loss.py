@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["next_token_targets", "packed_causal_lm_loss_sum", "global_pair_count"]
+__all__ = ["next_token_targets", "packed_causal_lm_loss_sum", "targets_loss_sum", "global_pair_count"]
 
 IGNORE = -100
 
@@ -29,6 +29,12 @@ def packed_causal_lm_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor,
                               cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over the pairs of a packed micro-batch (padding ignored)."""
     targets = next_token_targets(input_ids, cu_seqlens)
+    return F.cross_entropy(logits[: targets.shape[0]].float(), targets, ignore_index=IGNORE, reduction="sum")
+
+
+def targets_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy against given targets (IGNORE where a token has none: a sequence's last token,
+    padding), for tokens whose next token is not beside them (context parallelism)."""
     return F.cross_entropy(logits[: targets.shape[0]].float(), targets, ignore_index=IGNORE, reduction="sum")
 
 

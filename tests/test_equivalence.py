@@ -1,6 +1,6 @@
 """A heterogeneous step equals a single-device step: random strategies on 4 gloo ranks (tp1/tp2/tp4, pp1/pp2,
-mixed), random batches, caps small enough that replicas run several micro-batches in several token buckets,
-GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter). Also the case that
+cp2/cp4, mixed), random batches, caps small enough that replicas run several micro-batches in several token
+buckets, GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter). Also the case that
 exposed buckets sharing the model's Parameters: one rank, micro-batches in two buckets."""
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ MODELS = {
     "gpt": (GPT, GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=256)),
     "llama": (Llama, LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64)),
 }
-# Every strategy of tp in {1, 2, 4} and pp in {1, 2} that 4 ranks can run.
+# Every strategy of tp in {1, 2, 4} and pp in {1, 2} that 4 ranks can run, and context-parallel ones.
 STRATEGIES = ["4x(tp1)", "2x(tp2)", "1x(tp4)", "1x(tp2)+2x(tp1)", "2x(tp1,pp2)", "1x(tp1,pp2)+2x(tp1)",
-              "1x(tp2,pp2)", "1x(tp1,pp2)+1x(tp2)"]
+              "1x(tp2,pp2)", "1x(tp1,pp2)+1x(tp2)", "1x(cp4)", "1x(tp2,cp2)", "1x(cp2)+2x(tp1)", "1x(pp2,cp2)"]
 CAP = 24  # tokens per rank: a tp-t replica holds 24 t tokens per micro-batch
 BUCKETS = TokenBuckets(sizes=(8, 16, 24, 32, 48, 64, 96, 128, 192, 256))  # fine: micro-batches land in several
 
 
 def _cap(strategy: str) -> int:
-    """The longest sequence a strategy holds: its widest replica's cap."""
-    return CAP * max(s.tp for s in Strategy.parse(strategy).replicas())
+    """The longest sequence a strategy holds: its widest replica's cap (tp times cp ranks' tokens)."""
+    return CAP * max(s.tp * s.cp for s in Strategy.parse(strategy).replicas())
 
 
 def reference_sgd(model, batches, lr):

@@ -94,7 +94,11 @@ def test_meta_model_trains_from_its_shards(tmp_path):
             assert on_meta, "the user's model stays on the meta device"
             assert got == pytest.approx(losses, rel=1e-5), case
             for n, p in states[-1].items():
-                torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"{case} {n}")
+                # this model's weights are large (normal 0.3): after three steps at lr 0.3 the runs' fp32 rounding
+                # (summation orders vary with thread scheduling) reaches 2e-6 on a few elements, so the absolute
+                # slack scales with the tensor; a wrong update moves it by lr x grad, about 1e-2
+                atol = max(1e-6, 1e-5 * float(p.abs().max()))
+                torch.testing.assert_close(state[n], p, rtol=1e-5, atol=atol, msg=f"{case} {n}")
             # no tensor of a step is larger than what the rank computes with, which is a part of the model
             assert largest <= stage_numel < total, (case, largest, stage_numel, total)
 

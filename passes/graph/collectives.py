@@ -30,6 +30,9 @@ __all__ = ["all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""Single-tensor gather and reduce-scatter (renamed in torch 2.13; the old names where the new are missing)."""
 
 
 def all_reduce_tensor(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
@@ -138,7 +141,7 @@ def cp_all_gather(x: torch.Tensor, group: str, width: int, world: int, rank: int
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[:x.shape[0]] = x
     out = x.new_empty((world * width, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=_resolve_process_group(group))
+    _ALL_GATHER_SINGLE(out, padded, group=_resolve_process_group(group))
     return out
 
 
@@ -157,7 +160,7 @@ def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
     grad = grad.contiguous()
     if dist.get_backend(group) == "nccl":  # each rank receives only its own rows, summed
         mine = grad.new_empty((ctx.width, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(mine, grad, group=group)
+        _REDUCE_SCATTER_SINGLE(mine, grad, group=group)
     else:  # gloo has no reduce-scatter: sum everything, keep this rank's rows
         dist.all_reduce(grad, group=group)
         mine = grad[ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width]

@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
+from passes.graph.context_parallel import rewrite_context_parallel_pass
 from passes.graph.normalize import CANONICAL_PASSES
 from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, propagate_vals, run_passes
@@ -40,7 +41,8 @@ from passes.plan.ir import ParallelScheme
 __all__ = ["LOWERING_PASSES", "Lowering", "Lowered", "decide_lowerings", "lower_graph", "LoweringCache",
            "StageVariants", "PIPELINE_TOLERANCE"]
 
-LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass, split_pipeline_pass)
+LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass,
+                   rewrite_context_parallel_pass, split_pipeline_pass)
 """What turns a captured forward into one rank's replica program, in order."""
 
 PIPELINE_TOLERANCE = 0.2
@@ -72,11 +74,16 @@ class Lowering:
     pieces: PipelinePlan | None = None
     """The stage cut into pieces run one after the other, so that the parameters of a later piece can arrive
     while an earlier one computes (overlapped movement); None: one piece."""
+    cp_rank: int = 0
+    """This rank's index in its context-parallel group (0 when cp == 1)."""
+    cp_group: str | None = None
+    """Name of the context-parallel process group the attention gathers over (None when cp == 1)."""
 
     def describe(self) -> str:
         """E.g. ``(tp2,pp2)/stage1/tp-rank0: 14 parameters, in [...], out [...]``."""
-        return (f"{self.scheme.describe()}/stage{self.stage}/tp-rank{self.tp_rank}: {len(self.params)} parameters, "
-                f"in {list(self.boundary_in)}, out {list(self.boundary_out)}")
+        cp = f"/cp-rank{self.cp_rank}" if self.scheme.cp > 1 else ""
+        return (f"{self.scheme.describe()}/stage{self.stage}/tp-rank{self.tp_rank}{cp}: {len(self.params)} "
+                f"parameters, in {list(self.boundary_in)}, out {list(self.boundary_out)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,8 +100,11 @@ class Lowered:
 
 
 def _context(scheme: ParallelScheme, tp_rank: int, tp_group: str | None, kernel: str,
-             tensor_parallel: TensorParallelPlan | None, pipeline: PipelinePlan | None) -> PassContext:
+             tensor_parallel: TensorParallelPlan | None, pipeline: PipelinePlan | None, cp_rank: int = 0,
+             cp_group: str | None = None) -> PassContext:
     options: dict = {"rewrite_packed_attention_pass.kernel": kernel}
+    if scheme.cp > 1:
+        options.update({"rewrite_context_parallel_pass.group": cp_group, "rewrite_context_parallel_pass.rank": cp_rank})
     if tensor_parallel is not None:
         options["shard_tensor_parallel_pass.plan"] = tensor_parallel
     if pipeline is not None:
@@ -108,15 +118,16 @@ def _replicated(gm: fx.GraphModule) -> tuple[ParamSlice, ...]:
 
 def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0, tp_group: str | None = None,
                 attention_kernel: str = "auto", tensor_parallel: TensorParallelPlan | None = None,
-                pipeline: PipelinePlan | None = None) -> Lowered:
+                pipeline: PipelinePlan | None = None, cp_rank: int = 0, cp_group: str | None = None) -> Lowered:
     """Apply the lowering passes to a copy of ``captured`` with decided plans (:func:`decide_lowerings`):
-    canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention, the
-    pipeline cut (``pipeline``, required when pp > 1). Nothing is decided here."""
+    canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention, context
+    parallel (cp > 1: attention over ``cp_group``, this rank ``cp_rank``), the pipeline cut (``pipeline``,
+    required when pp > 1). Nothing is decided here."""
     if (scheme.tp > 1) != (tensor_parallel is not None) or (scheme.pp > 1) != (pipeline is not None):
         raise ValueError(f"lowering {scheme.describe()} needs a tensor-parallel plan exactly when tp > 1 and a "
                          f"pipeline cut exactly when pp > 1; got {type(tensor_parallel).__name__}, "
                          f"{type(pipeline).__name__}")
-    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, pipeline)
+    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, pipeline, cp_rank, cp_group)
     gm, records = run_passes(copy_graph_module(captured), LOWERING_PASSES, ctx)
     params = tensor_parallel.params if tensor_parallel is not None else _replicated(captured)
     return Lowered(graph_module=gm, params=params, records=records)
@@ -124,29 +135,33 @@ def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: in
 
 def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0,
                      tp_group: str | None = None, attention_kernel: str = "auto", vocab_parallel: bool = False,
-                     cost_tokens: int | None = None, pieces: int = 1) -> tuple[Lowering, ...]:
+                     cost_tokens: int | None = None, pieces: int = 1, cp_rank: int = 0,
+                     cp_group: str | None = None) -> tuple[Lowering, ...]:
     """One :class:`Lowering` per pipeline stage of ``scheme`` for TP rank ``tp_rank``, decided on ``analysed``
     (any capture of the model): the tensor-parallel plan on its canonical form, the pipeline cut on its
     tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
     micro-batch the scheme runs; None: the capture's own tokens). ``vocab_parallel``: split the token
     embedding and LM head by vocabulary rows when tp > 1. ``pieces``: cut each stage into this many pieces of
-    about equal cost (at most one per costed node) for overlapped movement."""
+    about equal cost (at most one per costed node) for overlapped movement. ``cp_rank`` / ``cp_group``: this
+    rank's place in its context-parallel group (cp > 1); the pipeline cut is decided on the CP graph."""
     gm, _ = run_passes(copy_graph_module(analysed), CANONICAL_PASSES, PassContext())
     tensor_parallel = None
     if scheme.tp > 1:
         if "val" not in next(iter(gm.graph.nodes)).meta:
             propagate_vals(gm)
         tensor_parallel = decide_tensor_parallel(gm, scheme.tp, tp_rank, vocab_parallel=vocab_parallel)
-    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None)
-    gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass], ctx)
+    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group)
+    gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass, rewrite_context_parallel_pass],
+                       ctx)
     pipeline = None
     if scheme.pp > 1:
         pipeline = decide_pipeline_split(gm, scheme.pp, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
     lowered = lower_graph(analysed, scheme, tp_rank=tp_rank, tp_group=tp_group, attention_kernel=attention_kernel,
-                          tensor_parallel=tensor_parallel, pipeline=pipeline)
+                          tensor_parallel=tensor_parallel, pipeline=pipeline, cp_rank=cp_rank, cp_group=cp_group)
     out = []
     for s in range(scheme.pp):
-        lowering = _stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline)
+        lowering = dataclasses.replace(_stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline),
+                                       cp_rank=cp_rank, cp_group=cp_group)
         stage_gm = _stage_module(lowered.graph_module, pipeline, s)
         count = min(pieces, costed_nodes(stage_gm))
         if count > 1:
@@ -189,7 +204,7 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
                          f"{None if ids_val is None else tuple(ids_val.shape)}")
     lowered = lower_graph(captured, lowering.scheme, tp_rank=lowering.tp_rank, tp_group=tp_group,
                           attention_kernel=attention_kernel, tensor_parallel=lowering.tensor_parallel,
-                          pipeline=lowering.pipeline)
+                          pipeline=lowering.pipeline, cp_rank=lowering.cp_rank, cp_group=lowering.cp_group)
     stage_gm = _stage_module(lowered.graph_module, lowering.pipeline, lowering.stage)
     counter = CompileCounter(compile_backend)
 
@@ -252,33 +267,37 @@ class LoweringCache:
         self._variants: dict[tuple, Variant] = {}
         self._programs: dict[tuple, StageVariants] = {}
 
-    def lowering(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0, tp_group: str | None = None) -> Lowering:
-        """The lowering of (scheme, stage, TP rank), decided once (for every stage of the scheme at once)."""
-        key = (scheme, tp_rank, tp_group)
+    def lowering(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0, tp_group: str | None = None,
+                 cp_rank: int = 0, cp_group: str | None = None) -> Lowering:
+        """The lowering of (scheme, stage, TP rank, CP rank), decided once (for every stage of the scheme at
+        once)."""
+        key = (scheme, tp_rank, tp_group, cp_rank, cp_group)
         if key not in self._lowerings:
             self._lowerings[key] = decide_lowerings(
                 self.capture(self.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=tp_group,
                 attention_kernel=self.kernel, vocab_parallel=self.vocab_parallel,
-                cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None, pieces=self.pieces)
+                cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None, pieces=self.pieces,
+                cp_rank=cp_rank, cp_group=cp_group)
         return self._lowerings[key][stage]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int = 0,
-                tp_group: str | None = None) -> Variant:
-        """The variant of (scheme, stage, TP rank) for ``bucket``, built once (it computes with the Parameters
-        the lowering left in it until a stage program binds its own)."""
-        key = (scheme, stage, bucket, tp_rank, tp_group)
+                tp_group: str | None = None, cp_rank: int = 0, cp_group: str | None = None) -> Variant:
+        """The variant of (scheme, stage, TP rank, CP rank) for ``bucket``, built once (it computes with the
+        Parameters the lowering left in it until a stage program binds its own)."""
+        key = (scheme, stage, bucket, tp_rank, tp_group, cp_rank, cp_group)
         if key not in self._variants:
             self._variants[key] = apply_lowering(
-                self.lowering(scheme, stage, tp_rank, tp_group), self.capture(bucket), bucket, tp_group=tp_group,
-                attention_kernel=self.kernel, compile_backend=self.compile_backend)
+                self.lowering(scheme, stage, tp_rank, tp_group, cp_rank, cp_group), self.capture(bucket), bucket,
+                tp_group=tp_group, attention_kernel=self.kernel, compile_backend=self.compile_backend)
         return self._variants[key]
 
-    def program(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0,
-                tp_group: str | None = None) -> "StageVariants":
-        """The stage program of (scheme, stage, TP rank): what the executor runs, over every bucket."""
-        key = (scheme, stage, tp_rank, tp_group)
+    def program(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0, tp_group: str | None = None,
+                cp_rank: int = 0, cp_group: str | None = None) -> "StageVariants":
+        """The stage program of (scheme, stage, TP rank, CP rank): what the executor runs, over every bucket."""
+        key = (scheme, stage, tp_rank, tp_group, cp_rank, cp_group)
         if key not in self._programs:
-            self._programs[key] = StageVariants(self, self.lowering(scheme, stage, tp_rank, tp_group), tp_group)
+            self._programs[key] = StageVariants(
+                self, self.lowering(scheme, stage, tp_rank, tp_group, cp_rank, cp_group), tp_group)
         return self._programs[key]
 
     def buffer(self, name: str) -> torch.Tensor:
@@ -330,7 +349,8 @@ class StageVariants:
 
     def _variant(self, bucket: int, rebind: bool = False) -> Variant:
         lowering = self.lowering
-        variant = self.cache.variant(lowering.scheme, lowering.stage, bucket, lowering.tp_rank, self.tp_group)
+        variant = self.cache.variant(lowering.scheme, lowering.stage, bucket, lowering.tp_rank, self.tp_group,
+                                     lowering.cp_rank, lowering.cp_group)
         if bucket not in self._bound or rebind:
             if self._params is None:
                 raise RuntimeError(f"{lowering.describe()} runs before bind()")
@@ -342,16 +362,22 @@ class StageVariants:
         """What this stage receives for a micro-batch of ``tokens`` tokens (its bucket's variant's inputs)."""
         return self._variant(self.cache.buckets.bucket_for(tokens)).boundary_in_specs()
 
+    def bucket(self, tokens: int) -> int:
+        """The token bucket a micro-batch of ``tokens`` tokens runs in (its padded size)."""
+        return self.cache.buckets.bucket_for(tokens)
+
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                 boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                 boundary: tuple[torch.Tensor, ...],
+                 cp_inputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
         """The stage's outputs for one packed micro-batch: the boundary the next stage takes, or ``(logits,)``
-        (T, vocab) of the real tokens on the last stage."""
+        (T, vocab) of the real tokens on the last stage. ``cp_inputs``: under context parallelism, the values of
+        ``passes.graph.context_parallel.CP_INPUTS`` (``input_ids`` then already fills its bucket)."""
         total = int(input_ids.shape[0])
         variant = self._variant(self.cache.buckets.bucket_for(total))
         if self.gate is not None and not variant.pieces:
             self.gate(tuple(self.param_slices))
         variant.gate[0] = self.gate
-        outs = variant(input_ids, cu_seqlens, *boundary)
+        outs = variant(input_ids, cu_seqlens, *boundary, cp_inputs=cp_inputs)
         if self.lowering.stage == self.lowering.scheme.pp - 1:
             return (variant.logits(outs, total),)
         return tuple(outs)

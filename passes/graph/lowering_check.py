@@ -15,7 +15,10 @@ Compared:
 Differences above a tolerance (relative to the tensor, and to the gradients' overall size, so a gradient that
 is zero in exact arithmetic does not fail on rounding) are reported by parameter name. Dropout is set to 0
 for the probe (the reference must run without it too). The probe's collectives run on the TP group only, so
-all groups of a strategy check at once; every rank of a group reaches the same verdict.
+all groups of a strategy check at once; every rank of a group reaches the same verdict. Under context
+parallelism the probe's long sequence is spread over the CP group as the runtime spreads it
+(``passes.graph.context_parallel.CpShare``): each CP rank compares the logits of its own tokens, and the
+gradients are summed over the CP group too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from passes.graph.collectives import all_reduce_tensor
+from passes.graph.context_parallel import CpShare
 from passes.graph.lowering import Lowered
 from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import ParamSlice
@@ -94,9 +98,10 @@ class LoweringReport:
         return f"{where}: {'; '.join(parts)} (tolerance {self.tolerance:.0e})"
 
 
-def probe_lengths(bucket: int) -> tuple[int, ...]:
-    """Two uneven sequences filling most of ``bucket`` tokens (the rest is the runtime's padding)."""
-    first = max(1, (5 * bucket) // 8)
+def probe_lengths(bucket: int, cp: int = 1) -> tuple[int, ...]:
+    """Two uneven sequences filling most of ``bucket`` tokens (the rest is the runtime's padding); with ``cp``
+    ranks sharing them, the first ``cp`` times as long (split over the ranks; the second goes whole to one)."""
+    first = max(1, (5 * bucket * cp) // 8)
     second = max(1, bucket // 4) if bucket - first >= 2 else 0
     return (first, second) if second else (first,)
 
@@ -181,42 +186,52 @@ def _owner(root: nn.Module, name: str) -> nn.Module:
 def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int, tp_group: str | None,
                    lower: Callable[[fx.GraphModule], Lowered], reference: Reference,
                    buffer: Callable[[str, torch.Tensor], torch.Tensor], vocab: int, device: torch.device,
-                   dtype: torch.dtype, seed: int = 0) -> LoweringReport:
+                   dtype: torch.dtype, seed: int = 0, cp_rank: int = 0, cp_group: str | None = None) -> LoweringReport:
     """Run ``lower`` (a graph -> ``passes.graph.lowering.Lowered``) on a copy of ``captured`` (input (1, bucket))
     holding probe values, on a probe of packed sequences, against ``reference`` on each sequence alone; every
-    rank of the TP group calls it together. Raises what building the lowering raises."""
+    rank of the TP group (and of the CP group, ``cp_group``, when cp > 1) calls it together. Raises what
+    building the lowering raises."""
     bucket = int(next(n for n in captured.graph.nodes if n.op == "placeholder").meta["val"].shape[-1])
-    lens = probe_lengths(bucket)
+    lens = probe_lengths(bucket, scheme.cp)
     values = {name: probe_values(p.shape, name, seed).to(device=device, dtype=dtype)
               for name, p in captured.named_parameters()}
     lowered = lower(captured)
     _bind_probe(lowered, values, buffer, device)
     g = torch.Generator().manual_seed(seed + 1)
-    seqs = [torch.randint(0, max(vocab, 1), (n,), generator=g).to(device) for n in lens]
+    seqs = [torch.randint(0, max(vocab, 1), (n,), generator=g) for n in lens]
     total = sum(lens)
-    ids = torch.cat([*seqs, seqs[0].new_zeros(bucket - total)])
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), *([bucket] if total < bucket else [])],
-                      dtype=torch.int32, device=device)
-    out = lowered.graph_module(ids[None], cu, bucket)
-    logits = (out[0] if isinstance(out, (tuple, list)) else out)[0, :total]
+    if scheme.cp == 1:
+        ids = torch.cat([*seqs, seqs[0].new_zeros(bucket - total)]).to(device)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), *([bucket] if total < bucket else [])],
+                          dtype=torch.int32, device=device)
+        out = lowered.graph_module(ids[None], cu, bucket)
+        rows = torch.arange(total, device=device)
+    else:  # this CP rank's share of the probe, as the runtime makes it
+        share = CpShare.build(seqs, scheme.cp, cp_rank, bucket)
+        out = lowered.graph_module(share.ids[None].to(device), share.inputs.cu_seqlens_q.to(device), bucket,
+                                   *share.graph_inputs(device))
+        rows = share.rows.to(device)
+    logits = (out[0] if isinstance(out, (tuple, list)) else out)[0, :rows.numel()]
     ref_params = {name: v.clone().requires_grad_(True) for name, v in values.items()}
-    ref_logits = reference(ref_params, seqs)
+    ref_logits = reference(ref_params, [t.to(device) for t in seqs])
     weights = torch.randn(tuple(ref_logits.shape), generator=g).to(device)
-    (logits.float() * weights).sum().backward()
+    (logits.float() * weights[rows]).sum().backward()
     (ref_logits.float() * weights).sum().backward()
-    output_error = _relative(logits.detach().float(), ref_logits.detach().float(), 0.0)
-    grads = _reassembled(lowered, scheme.tp, tp_group, device)
+    output_error = _relative(logits.detach().float(), ref_logits.detach().float()[rows], 0.0)
+    grads = _reassembled(lowered, scheme.tp, tp_group, device, cp_group)
     errors = _grad_errors(grads, {n: p.grad for n, p in ref_params.items()})
-    if tp_group is not None:
-        output_error = float(all_reduce_tensor(torch.tensor([output_error], device=device), tp_group, "max")[0])
+    for group in (tp_group, cp_group):
+        if group is not None:
+            output_error = float(all_reduce_tensor(torch.tensor([output_error], device=device), group, "max")[0])
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     return LoweringReport(scheme=scheme, tp_rank=tp_rank, probe_lens=lens, tolerance=tolerance,
                           output_error=output_error, grad_errors=tuple(errors))
 
 
-def _reassembled(lowered: Lowered, tp: int, tp_group: str | None, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient as training would sum it over the TP group (parameters without a
-    gradient on every rank are left out)."""
+def _reassembled(lowered: Lowered, tp: int, tp_group: str | None, device: torch.device,
+                 cp_group: str | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient as training would sum it over the TP group, and over the CP group
+    when there is one (parameters without a gradient on every rank are left out)."""
     parts, names, has = [], [], []
     for sl in lowered.params:
         p = _find_param(lowered.graph_module, sl.name)
@@ -230,6 +245,9 @@ def _reassembled(lowered: Lowered, tp: int, tp_group: str | None, device: torch.
     if tp_group is not None:
         flat = all_reduce_tensor(flat, tp_group, "sum")
         present = all_reduce_tensor(present, tp_group, "sum")
+    if cp_group is not None:  # every CP rank saw some tokens: their gradients add up
+        flat = all_reduce_tensor(flat, cp_group, "sum")
+        present = all_reduce_tensor(present, cp_group, "max")
     out, offset = {}, 0
     for sl, seen in zip(names, present.tolist()):
         n = math.prod(sl.full_shape)

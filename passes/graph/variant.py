@@ -124,12 +124,25 @@ class Variant:
     gate: list = field(default_factory=lambda: [None])
     """``gate[0]``: called with a piece's parameter names before the piece runs (None: nothing to wait for)."""
 
-    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor) -> tuple:
-        """Run the stage on a packed micro-batch (padded here to the bucket); returns the stage's outputs."""
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor,
+                 cp_inputs: tuple[torch.Tensor, ...] | None = None) -> tuple:
+        """Run the stage on a packed micro-batch (padded here to the bucket); returns the stage's outputs.
+        ``cp_inputs`` (context parallelism): positions, gathered key rows and key offsets, for a micro-batch
+        that already fills the bucket (its padding is a span whose keys are its own rows)."""
         ids, cu = pad_to_bucket(input_ids, cu_seqlens, self.key.bucket)
         if self.counter.backend != "eager":  # torch.compile: the sequence count is dynamic
             torch._dynamo.mark_dynamic(cu, 0)
-        given = {"input_ids": ids[None], "cu_seqlens": cu, "max_seqlen": self.key.bucket}
+        given: dict[str, Any] = {"input_ids": ids[None], "cu_seqlens": cu, "max_seqlen": self.key.bucket}
+        if cp_inputs is not None:
+            if int(input_ids.shape[0]) != self.key.bucket:
+                raise ValueError(f"variant {self.key.describe()}: a context-parallel micro-batch must fill the "
+                                 f"bucket ({self.key.bucket} tokens), got {int(input_ids.shape[0])}")
+            positions, key_rows, cu_k = cp_inputs
+            cu_k = torch.cat([cu_k, cu_k[-1:]])  # the empty span pad_to_bucket appended has no keys either
+            if self.counter.backend != "eager":
+                torch._dynamo.mark_dynamic(key_rows, 0)
+                torch._dynamo.mark_dynamic(cu_k, 0)
+            given.update(cp_positions=positions, cp_key_rows=key_rows, cp_cu_seqlens_k=cu_k)
         if len(boundary) != len(self.boundary_in):
             raise ValueError(f"variant {self.key.describe()} takes {len(self.boundary_in)} boundary tensors "
                              f"{self.boundary_in}, got {len(boundary)}")

@@ -20,6 +20,7 @@ __all__ = [
     "SchemeCost",
     "CostModel",
     "ReplicaPlan",
+    "Place",
     "StepPlan",
     "PlanError",
     "bucket_padding",
@@ -280,7 +281,9 @@ class ReplicaPlan:
     scheme: ParallelScheme
     """The replica's layout."""
     ranks: tuple[int, ...]
-    """Global ranks, stage-major: stage j's TP group is ``ranks[j*tp*cp:(j+1)*tp*cp]``."""
+    """Global ranks, a grid (stage, CP rank, TP rank) in that order: the rank at (s, c, t) is
+    ``ranks[(s * cp + c) * tp + t]``, so a TP group is contiguous (inside a node) and stage s holds
+    ``ranks[s*tp*cp:(s+1)*tp*cp]``."""
     micro_batches: tuple[tuple[int, ...], ...]
     """Each micro-batch as indices into the step's ``seq_lens``."""
     max_tokens: int
@@ -292,11 +295,30 @@ class ReplicaPlan:
         if len(self.ranks) != self.scheme.gpus:
             raise PlanError(f"replica {self.scheme.describe()} needs {self.scheme.gpus} ranks, got {len(self.ranks)}")
 
+    def rank_at(self, stage: int, cp_rank: int, tp_rank: int) -> int:
+        """The global rank at (pipeline stage, CP rank, TP rank) of this replica's grid."""
+        return self.ranks[(stage * self.scheme.cp + cp_rank) * self.scheme.tp + tp_rank]
+
+    def tp_group(self, stage: int, cp_rank: int = 0) -> tuple[int, ...]:
+        """The tensor-parallel group (global ranks) of ``stage`` at ``cp_rank``."""
+        return tuple(self.rank_at(stage, cp_rank, t) for t in range(self.scheme.tp))
+
+    def cp_group(self, stage: int, tp_rank: int = 0) -> tuple[int, ...]:
+        """The context-parallel group (global ranks) of ``stage`` at ``tp_rank``: the ranks that share sequences."""
+        return tuple(self.rank_at(stage, c, tp_rank) for c in range(self.scheme.cp))
+
     @property
     def tp_groups(self) -> tuple[tuple[int, ...], ...]:
-        """One tensor-parallel group (global ranks) per pipeline stage."""
-        width = self.scheme.tp * self.scheme.cp
-        return tuple(self.ranks[s * width:(s + 1) * width] for s in range(self.scheme.pp))
+        """Every tensor-parallel group, stage by stage (then CP rank by CP rank): with cp = 1, one per stage,
+        ``tp_groups[stage]``."""
+        return tuple(self.tp_group(s, c) for s in range(self.scheme.pp) for c in range(self.scheme.cp))
+
+    @property
+    def cp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every context-parallel group, stage by stage (then TP rank by TP rank); none when cp = 1."""
+        if self.scheme.cp == 1:
+            return ()
+        return tuple(self.cp_group(s, t) for s in range(self.scheme.pp) for t in range(self.scheme.tp))
 
     def to_dict(self) -> dict:
         """The JSON form used by ``--plans-out``."""
@@ -309,6 +331,20 @@ class ReplicaPlan:
             "micro_batches": [list(mb) for mb in self.micro_batches],
             "est_ms": round(self.est_ms, 3),
         }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Place:
+    """One rank's place in a step plan."""
+
+    replica: int
+    """Index into ``StepPlan.replicas``."""
+    stage: int
+    """Pipeline stage."""
+    cp_rank: int
+    """Index in its context-parallel group (0 when cp = 1)."""
+    tp_rank: int
+    """Index in its tensor-parallel group."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -339,12 +375,18 @@ class StepPlan:
         return self.strategy.gpus
 
     def position_of(self, rank: int) -> tuple[int, int, int]:
-        """(replica index, pipeline stage, rank within the stage's TP group) of global ``rank``: the placement
-        the planner made (``ReplicaPlan.ranks``), which every layer reads."""
+        """(replica index, pipeline stage, rank within its TP group) of global ``rank``: the placement the
+        planner made (``ReplicaPlan.ranks``), which every layer reads. :meth:`place_of` adds the CP rank."""
+        place = self.place_of(rank)
+        return place.replica, place.stage, place.tp_rank
+
+    def place_of(self, rank: int) -> "Place":
+        """Where global ``rank`` is in the plan: replica, pipeline stage, CP rank, TP rank."""
         for index, replica in enumerate(self.replicas):
-            for stage, group in enumerate(replica.tp_groups):
-                if rank in group:
-                    return index, stage, group.index(rank)
+            if rank in replica.ranks:
+                at = replica.ranks.index(rank)
+                tp, cp = replica.scheme.tp, replica.scheme.cp
+                return Place(replica=index, stage=at // (tp * cp), cp_rank=at // tp % cp, tp_rank=at % tp)
         raise PlanError(f"rank {rank} is in no replica of {self.strategy.describe()}")
 
     def to_dict(self, step: int | None = None) -> dict:
