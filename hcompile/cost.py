@@ -19,11 +19,12 @@ from passes.graph.hardware import hardware_for_device
 from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
-from passes.plan.ir import CostModel, ParallelScheme, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, StepPlan, Strategy
 from passes.plan.movement import ComputeLayout, merged
 from runtime.fixed_layout import FixedLayout
 
-__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout"]
+__all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
+           "refuse_context_parallel", "refuse_context_parallel_model"]
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims, vocabulary) reads."""
@@ -77,6 +78,9 @@ def check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph:
         if strategy.gpus != world:
             raise ValueError(f"strategy {text!r} covers {strategy.gpus} ranks, the job has {world}")
         for scheme in strategy.schemes:
+            if scheme.cp > 1:
+                raise ValueError(f"strategy {text!r}: {scheme.describe()} uses context parallelism (cp{scheme.cp}), "
+                                 f"which is planned only: the runtime cannot run cp > 1 yet (expected cp1)")
             if heads % scheme.tp:
                 raise ValueError(f"strategy {text!r}: tp{scheme.tp} does not divide the model's {heads} attention "
                                  "heads")
@@ -86,6 +90,24 @@ def check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph:
             if scheme not in known:
                 raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
                                  f"({', '.join(s.describe() for s in sorted(known, key=str))})")
+
+
+def refuse_context_parallel(plan: StepPlan) -> None:
+    """A ValueError for a plan the runtime cannot run: a replica with cp > 1 or ranks that regroup during the
+    step (``hcompile plan`` plans context parallelism; the runtime has no CP graph pass, kernels or groups)."""
+    bad = sorted({r.scheme.describe() for r in plan.replicas if r.scheme.cp > 1})
+    if bad or plan.regrouped:
+        what = f"context-parallel replicas {', '.join(bad)}" if bad else "ranks that regroup during the step"
+        raise ValueError(f"the {plan.policy} plan of {plan.strategy.describe()} has {what}: context parallelism "
+                         "is planned only, the runtime cannot run cp > 1 yet (expected replicas with cp1)")
+
+
+def refuse_context_parallel_model(model: CostModel) -> None:
+    """A ValueError for a cost model with context-parallel schemes: the trainer never plans CP."""
+    bad = [e.scheme.describe() for e in model.entries if e.scheme.cp > 1]
+    if bad:
+        raise ValueError(f"cost model {model.name!r} has context-parallel schemes {', '.join(bad)}: the runtime "
+                         "cannot run cp > 1 yet (expected schemes with cp1)")
 
 
 def compute_layout(lowerings: LoweringCache, layout: FixedLayout,

@@ -20,7 +20,14 @@ import torch
 
 from hcompile.api import CompiledModel
 from hcompile.capture import CaptureError
-from hcompile.cost import ANALYSIS_TOKENS, cap_tokens, check_strategies, default_cost_model
+from hcompile.cost import (
+    ANALYSIS_TOKENS,
+    cap_tokens,
+    check_strategies,
+    default_cost_model,
+    refuse_context_parallel,
+    refuse_context_parallel_model,
+)
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, tokens_a_rank_holds
 from hcompile.verify import prepare_strategy
@@ -194,6 +201,7 @@ class Trainer:
                                                  options.tokens_per_rank, memory, self.ctx.device)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * e.scheme.tp for e in model.entries})
+        refuse_context_parallel_model(model)
         model = bound_caps(model, self._holds(analysed, memory), options.tokens_per_rank)  # before any capture there
         check_strategies(options.strategies, model, analysed, self.ctx.world_size)
         capturable = self._largest_capturable(max(e.max_tokens for e in model.entries))
@@ -292,7 +300,8 @@ class Trainer:
 
     def program(self, plan: StepPlan) -> StageVariants:
         """This rank's stage program in ``plan`` (collective the first time a placement is met: its process
-        groups are made on every rank)."""
+        groups are made on every rank); a plan with context parallelism is a ValueError."""
+        refuse_context_parallel(plan)
         replica, stage, tp_rank = plan.position_of(self.ctx.rank)
         groups = self.executor.groups_for(plan)
         ranks = plan.replicas[replica]
@@ -392,6 +401,7 @@ class Trainer:
         if upcoming is not None and global_pair_count(upcoming) > 0:
             self._submit(upcoming, None)
         self.last_plan = planned
+        refuse_context_parallel(planned.plan)
         stats = self.executor.run_step(planned.plan, batch, self.program(planned.plan))
         self._compute_end = stats.compute_window[1]
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model

@@ -93,3 +93,81 @@ def test_cp_ranks_compute_with_the_slices_of_their_tp_rank():
     where = places(Strategy.parse("1x(tp2,cp2)+4x(tp1)"), 4)
     tp2 = ParallelScheme(tp=2)
     assert where[:4] == [(tp2, 0, 0), (tp2, 0, 1), (tp2, 0, 0), (tp2, 0, 1)]
+
+
+@pytest.fixture(scope="module")
+def long_context_job():
+    """One `hcompile plan` job on the long-context preset, which no scheme without CP can hold."""
+    from hcompile.tools.simulate import PlanJob, run_plan_job
+
+    job = PlanJob(dataset="long-context", gpus=64, global_tokens=400_000, steps=2)
+    return run_plan_job(job)
+
+
+def test_the_long_context_data_is_planned_every_sequence_once_within_memory(long_context_job):
+    report, plans = long_context_job
+    assert set(report.results) == {"padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step",
+                                   "hydraulis", "dynamic-cp", "homogeneous-cp"}
+    model = report.cost_model
+    assert max(max(p.seq_lens) for p in plans) > max(model.max_tokens(s) for s in model.schemes if s.cp == 1)
+    for plan in plans:
+        members = sorted(i for r in plan.replicas for mb in r.micro_batches for i in mb)
+        assert members == list(range(len(plan.seq_lens))), plan.policy
+        for r in plan.replicas:
+            for mb in r.micro_batches:
+                assert sum(plan.seq_lens[i] for i in mb) <= model.max_tokens(r.scheme)
+        assert plan.regrouped == (plan.policy == "dynamic-cp")
+        assert plan.est_step_ms > 0
+    hydraulis = [p for p in plans if p.policy == "hydraulis"]
+    assert all(p.est_step_ms >= p.lower_bound_ms * (1 - 1e-9) for p in hydraulis)
+    assert any(r.scheme.cp > 1 for p in hydraulis for r in p.replicas)
+    cp_fixed = report.cp_fixed
+    assert cp_fixed is not None and cp_fixed.is_homogeneous and cp_fixed.schemes[0].cp > 1
+    assert all(p.strategy == cp_fixed for p in plans if p.policy == "homogeneous-cp")
+
+
+def test_dynamic_cp_gives_each_sequence_its_cp_size(long_context_job):
+    from passes.plan.dynamic_cp import cp_size
+
+    report, plans = long_context_job
+    base = report.cp_base
+    for plan in (p for p in plans if p.policy == "dynamic-cp"):
+        assert plan.strategy == Strategy.homogeneous(base, 64)
+        for r in plan.replicas:
+            assert r.scheme.tp == base.tp and r.scheme.pp == 1
+            for i in (i for mb in r.micro_batches for i in mb):
+                assert r.scheme.cp == cp_size(report.cost_model, base, plan.seq_lens[i])
+        with pytest.raises(PlanError, match="regroups its ranks"):
+            plan.position_of(0)
+
+
+def test_plan_json_carries_the_cp_baselines(long_context_job):
+    report, _ = long_context_job
+    out = report.to_json()
+    assert {"dynamic-cp", "homogeneous-cp", "hydraulis"} <= set(out["policies"])
+    assert out["cp_fixed_strategy"] == report.cp_fixed.describe() and out["cp_base"] == report.cp_base.describe()
+
+
+def test_a_plan_with_cp_and_a_cost_model_with_cp_are_refused_by_the_trainer(long_context_job):
+    from hcompile.cost import refuse_context_parallel, refuse_context_parallel_model
+
+    report, plans = long_context_job
+    for plan in plans:
+        if plan.regrouped or any(r.scheme.cp > 1 for r in plan.replicas):
+            with pytest.raises(ValueError, match="context parallelism is planned only, the runtime cannot run cp > 1"):
+                refuse_context_parallel(plan)
+    with pytest.raises(ValueError, match=r"context-parallel schemes .*\(tp4,pp1,cp2\)"):
+        refuse_context_parallel_model(report.cost_model)
+    refuse_context_parallel_model(BASE)
+
+
+def test_existing_data_plans_without_cp_under_auto():
+    """Under ``auto`` a dataset that fits plans with the cost model unchanged (``with_context_parallel`` returns
+    it as it is, tested above): no CP scheme, no CP baseline, the policies of before."""
+    from hcompile.tools.simulate import PlanJob, run_plan_job
+    from passes.plan.policies import POLICIES
+
+    report, plans = run_plan_job(PlanJob(dataset="github", gpus=64, global_tokens=20_000, steps=1))
+    assert tuple(report.results) == POLICIES and report.cp_base is None and report.cp_fixed is None
+    assert all(s.cp == 1 for s in report.cost_model.schemes)
+    assert "cp_fixed_strategy" not in report.to_json() and all(not p.regrouped for p in plans)

@@ -1,5 +1,6 @@
 """What the trainer refuses or leaves alone: optimisers that are not elementwise (with the supported list), a
-strategy given as one string, a TP degree that does not divide the head count, a token cap the machine cannot
+strategy given as one string, a TP degree that does not divide the head count, a strategy with context
+parallelism (planned only), a token cap the machine cannot
 hold (a clear error in seconds, not a process the OOM killer ends), and a batch with no next-token pair (no
 optimiser step, no weight decay, said so in the stats)."""
 
@@ -64,6 +65,9 @@ def test_a_tp_degree_that_does_not_divide_the_heads_is_named():
     with pytest.raises(ValueError, match="pp4 is more than the model's 2 layers"):
         check_strategies(("1x(tp1,pp4)",), model, graph, 4)
     check_strategies(("2x(tp2)", "1x(tp2)+2x(tp1)"), model, graph, 4)
+    with pytest.raises(ValueError, match="strategy '1x\\(cp2,tp2\\)': \\(tp2,pp1,cp2\\) uses context parallelism "
+                                         "\\(cp2\\), which is planned only: the runtime cannot run cp > 1 yet"):
+        check_strategies(("1x(cp2,tp2)",), model, graph, 4)
 
 
 def _one_rank(rank, world):

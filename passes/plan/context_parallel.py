@@ -106,14 +106,18 @@ def cp_schemes(cost_model: CostModel, gpus: int, longest: int) -> list[tuple[Par
     return out
 
 
-def with_context_parallel(cost_model: CostModel, profile: Profile, links: Links, gpus: int, longest: int,
+def with_context_parallel(cost_model: CostModel, profile: Profile, links: Links | None, gpus: int, longest: int,
                           layout: Strategy, runtime: RuntimeMemory | None = None, mode: str = "auto") -> CostModel:
     """``cost_model`` with the CP schemes of :func:`cp_schemes` added (``mode`` of :data:`CP_MODES`; ``auto``
-    adds them only when :func:`needs_cp`); schemes it already knows are kept as they are."""
+    adds them only when :func:`needs_cp`; ``links`` None is an error only then); schemes it already knows are
+    kept as they are."""
     if mode not in CP_MODES:
         raise PlanError(f"unknown context-parallel mode {mode!r}; expected one of {', '.join(CP_MODES)}")
     if mode == "off" or (mode == "auto" and not needs_cp(cost_model, gpus, longest)):
         return cost_model
+    if links is None:
+        raise PlanError(f"context parallelism needs the links of {profile.name} (its profile gives none and its "
+                        f"hardware has no preset); plan with --context-parallel off")
     known = {e.scheme for e in cost_model.entries}
     added = []
     for base, cp in cp_schemes(cost_model, gpus, longest):

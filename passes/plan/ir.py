@@ -337,6 +337,10 @@ class StepPlan:
     """Wall-clock time the planner needed for this step."""
     est_move_ms: float = 0.0
     """The exposed parameter and gradient movement included in ``est_step_ms`` (0 when not charged)."""
+    regrouped: bool = False
+    """True when ranks regroup during the step (the ``dynamic-cp`` baseline: a CP group per sequence, groups
+    one after another on shared ranks; ``strategy`` is then the TP layout of the slots): a plan to compare, which
+    the runtime cannot run."""
 
     @property
     def num_gpus(self) -> int:
@@ -346,6 +350,8 @@ class StepPlan:
     def position_of(self, rank: int) -> tuple[int, int, int]:
         """(replica index, pipeline stage, rank within the stage's TP group) of global ``rank``: the placement
         the planner made (``ReplicaPlan.ranks``), which every layer reads."""
+        if self.regrouped:
+            raise PlanError(f"a {self.policy} plan regroups its ranks during the step; no rank has one position")
         for index, replica in enumerate(self.replicas):
             for stage, group in enumerate(replica.tp_groups):
                 if rank in group:
@@ -366,6 +372,8 @@ class StepPlan:
             lower_bound_ms=round(self.lower_bound_ms, 3),
             solve_ms=round(self.solve_ms, 3),
         )
+        if self.regrouped:
+            out["regrouped"] = True
         return out
 
     def to_json(self, step: int | None = None) -> str:
