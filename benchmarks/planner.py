@@ -4,6 +4,9 @@
                                             # 32B/1024 GPUs; table, JSON lines and PNG plots under results/
     python -m benchmarks.planner --smoke    # one small case (what CI runs)
     python -m benchmarks.planner --movement charged   # only with movement charged (default: both, side by side)
+    python -m benchmarks.planner --long-context --movement charged   # 32B on 64 and 1024 GPUs, long-context data,
+                                            # 1M tokens per step: hydraulis with CP against dynamic-cp and
+                                            # homogeneous-cp (context parallelism is planned only)
 
 Step times are the cost model's estimates (measured A800 profiles), not wall clock; solve times are the
 planner's own wall-clock time on this machine. Each setting runs twice: movement ``ignored`` (compute only,
@@ -35,6 +38,11 @@ SETTINGS = (
     PlanJob(model="llama-13b", gpus=32, dataset="github", global_tokens=100_000, steps=30),
     PlanJob(model="llama-32b", gpus=1024, dataset="commoncrawl", global_tokens=1_600_000, steps=10),
 )
+LONG_CONTEXT = (
+    PlanJob(model="llama-32b", gpus=64, dataset="long-context", global_tokens=1_000_000, steps=30),
+    PlanJob(model="llama-32b", gpus=1024, dataset="long-context", global_tokens=1_000_000, steps=10),
+)
+"""Sequences beyond every scheme without CP: ``auto`` plans CP schemes and the CP baselines run beside."""
 SMOKE = (PlanJob(model="llama-32b", gpus=64, dataset="commoncrawl", global_tokens=40_000, steps=2),)
 
 
@@ -103,15 +111,19 @@ def run(jobs: tuple[PlanJob, ...], out_dir: Path, plot: bool = True) -> list[dic
     stamp = {"commit": commit(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     reports, records = [], []
     for job in jobs:
-        print(f"== {_label(job)}: planning {job.steps} steps x {len(job.policies)} policies ...", flush=True)
+        print(f"== {_label(job)}: planning {job.steps} steps x {len(job.policies) or 'every'} policies ...",
+              flush=True)
+        started = time.perf_counter()
         report, plans = run_plan_job(job)
+        wall_s = time.perf_counter() - started
         reports.append((report, plans))
         print(format_report(report))
         if job.model == "llama-32b" and job.gpus == 64:
             print("paper case-study pool (32B/64 GPUs): " + ", ".join(PAPER_POOL_32B_64))
         print(flush=True)
         summary = {k: v for k, v in report.to_json().items() if k != "per_step"}  # per step: hcompile plan --json
-        records.append({**stamp, "config": _label(job), **summary})
+        print(f"wall time (pool, baselines' TP choice, every step and policy): {wall_s:.1f} s", flush=True)
+        records.append({**stamp, "config": _label(job), "wall_s": round(wall_s, 1), **summary})
     with open(out_dir / "planner.jsonl", "a") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")
@@ -126,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one small case, for CI")
     parser.add_argument("--out", default="results", help="folder for planner.jsonl and planner.png")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--long-context", action="store_true",
+                        help="only the long-context settings (32B on 64 and 1024 GPUs, context parallelism planned)")
     parser.add_argument("--movement", choices=("both", "charged", "ignored"), default="both",
                         help="run each setting with movement ignored, charged, or both (default)")
     args = parser.parse_args(argv)
     modes = {"both": (False, True), "charged": (True,), "ignored": (False,)}[args.movement]
-    jobs = [replace(job, charge_movement=charged) for job in (SMOKE if args.smoke else SETTINGS) for charged in modes]
+    settings = SMOKE if args.smoke else LONG_CONTEXT if args.long_context else SETTINGS + LONG_CONTEXT
+    jobs = [replace(job, charge_movement=charged) for job in settings for charged in modes]
     run(jobs, Path(args.out), plot=not args.no_plot)
     return 0
 

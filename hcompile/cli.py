@@ -8,10 +8,11 @@ import argparse
 import json
 import sys
 
+from passes.plan.context_parallel import CP_MODES
 from passes.plan.cost_model import MEMORY_MODELS, PRESET_HARDWARE, PRESET_MODELS
 from passes.plan.datasets import PRESET_DATASETS
 from passes.plan.ir import PlanError
-from passes.plan.policies import POLICIES
+from passes.plan.policies import CP_POLICIES, POLICIES
 from runtime.launch import LaunchError
 
 __all__ = ["main", "build_parser"]
@@ -42,7 +43,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=_positive_int, default=30, help="global batches to plan (default 30)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
-                   help=f"a policy to run, repeatable (default: all of {', '.join(POLICIES)})")
+                   help=f"a policy to run, repeatable (default: all of {', '.join(POLICIES)}; and "
+                        f"{', '.join(CP_POLICIES)} when context parallelism is planned)")
+    p.add_argument("--context-parallel", choices=CP_MODES, default="auto",
+                   help="context-parallel schemes: auto (default) "
+                        "when a sequence is longer than every scheme without CP holds, on, off")
     p.add_argument("--optimizer-layout", help="the fixed optimiser layout, e.g. '4x(tp16)' (default: the "
                                               "homogeneous strategy sized for the longest sequence)")
     p.add_argument("--memory-model", choices=MEMORY_MODELS, default="hcompile",
@@ -98,7 +103,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     job = PlanJob(model=args.model, hardware=args.hardware, gpus=args.gpus, dataset=args.dataset,
                   global_tokens=args.global_tokens, steps=args.steps, seed=args.seed,
-                  policies=tuple(args.policies or POLICIES), lengths_file=args.lengths_file,
+                  policies=tuple(args.policies or ()), context_parallel=args.context_parallel,
+                  lengths_file=args.lengths_file,
                   optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
                   memory_model=args.memory_model, charge_movement=args.movement == "charged")
     report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)

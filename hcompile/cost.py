@@ -19,12 +19,12 @@ from passes.graph.hardware import hardware_for_device
 from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
-from passes.plan.ir import CostModel, ParallelScheme, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, StepPlan, Strategy
 from passes.plan.movement import ComputeLayout, merged
 from runtime.fixed_layout import FixedLayout
 
 __all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
-           "with_context_parallel", "token_ranks"]
+           "add_listed_cp_schemes", "token_ranks", "refuse_regrouped", "refuse_context_parallel_model"]
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims, vocabulary) reads."""
@@ -63,7 +63,7 @@ def token_ranks(scheme: ParallelScheme) -> int:
     return scheme.tp * scheme.cp
 
 
-def with_context_parallel(model: CostModel, strategies: str | Sequence[str]) -> CostModel:
+def add_listed_cp_schemes(model: CostModel, strategies: str | Sequence[str]) -> CostModel:
     """``model`` with an entry for every context-parallel scheme the listed ``strategies`` name (none for
     "auto": the trainer plans CP only where it is listed), derived from its (tp, pp) scheme's: the per-token and
     attention work split over the cp ranks (the layout gives each the same causal work), the fixed cost and
@@ -112,6 +112,24 @@ def check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph:
             if scheme not in known:
                 raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
                                  f"({', '.join(s.describe() for s in sorted(known, key=str))})")
+
+
+def refuse_regrouped(plan: StepPlan) -> None:
+    """A ValueError for a plan the runtime cannot run: ranks that regroup during the step (the ``dynamic-cp``
+    baseline of ``hcompile plan``, a CP group per sequence, is a plan to compare, not one to run)."""
+    if plan.regrouped:
+        raise ValueError(f"the {plan.policy} plan of {plan.strategy.describe()} regroups its ranks during the step, "
+                         "which the runtime cannot run (expected one replica per rank for the whole step)")
+
+
+def refuse_context_parallel_model(model: CostModel) -> None:
+    """A ValueError for a given cost model with context-parallel schemes: the trainer plans CP only where a
+    listed strategy names it (``add_listed_cp_schemes``), never on its own."""
+    bad = [e.scheme.describe() for e in model.entries if e.scheme.cp > 1]
+    if bad:
+        raise ValueError(f"cost model {model.name!r} has context-parallel schemes {', '.join(bad)}: the trainer "
+                         "plans CP only for listed strategies (list e.g. strategies=['1x(cp2)+2x(tp1)'] and give a "
+                         "cost model with cp1 schemes)")
 
 
 def compute_layout(lowerings: LoweringCache, layout: FixedLayout,

@@ -22,11 +22,13 @@ from hcompile.api import CompiledModel
 from hcompile.capture import CaptureError
 from hcompile.cost import (
     ANALYSIS_TOKENS,
+    add_listed_cp_schemes,
     cap_tokens,
     check_strategies,
     default_cost_model,
+    refuse_context_parallel_model,
+    refuse_regrouped,
     token_ranks,
-    with_context_parallel,
 )
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, tokens_a_rank_holds
@@ -197,9 +199,11 @@ class Trainer:
                                  hooks=[TakeTurns()] if options.replicas_take_turns else [])
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
+        if cost_model is not None:
+            refuse_context_parallel_model(cost_model)
         model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,
                                                  options.tokens_per_rank, memory, self.ctx.device)
-        model = with_context_parallel(model, options.strategies)
+        model = add_listed_cp_schemes(model, options.strategies)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)
                                        for e in model.entries})
@@ -301,7 +305,8 @@ class Trainer:
 
     def program(self, plan: StepPlan) -> StageVariants:
         """This rank's stage program in ``plan`` (collective the first time a placement is met: its process
-        groups are made on every rank)."""
+        groups are made on every rank); a plan whose ranks regroup during the step is a ValueError."""
+        refuse_regrouped(plan)
         place = plan.place_of(self.ctx.rank)
         groups = self.executor.groups_for(plan)
         ranks = plan.replicas[place.replica]
@@ -404,6 +409,7 @@ class Trainer:
         if upcoming is not None and global_pair_count(upcoming) > 0:
             self._submit(upcoming, None)
         self.last_plan = planned
+        refuse_regrouped(planned.plan)
         stats = self.executor.run_step(planned.plan, batch, self.program(planned.plan))
         self._compute_end = stats.compute_window[1]
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model

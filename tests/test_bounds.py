@@ -30,7 +30,8 @@ def exhaustive_optimum(cost_model: CostModel, gpus: int, seq_lens: list[int]) ->
     """The least makespan over every plan, written from the cost model's definition alone: the sequences split
     into replicas, each of a scheme (at most ``gpus`` GPUs in all), each replica's sequences split into
     micro-batches of at most ``max_tokens`` tokens; a replica takes ``sum_j t_j + (pp - 1) max_j t_j`` with
-    ``t_j = sum (a s^2 + b s) + c``. Node placement is ignored (a superset of the real plans)."""
+    ``t_j = sum seq_ms(s) + c`` (``a s^2 + b s``, or ``b s + max(a s^2, exchange s)`` under CP). Node
+    placement is ignored (a superset of the real plans)."""
     costs = {e.scheme: e for e in cost_model.entries if e.scheme.gpus <= gpus}
 
     @functools.lru_cache(maxsize=None)
@@ -42,7 +43,7 @@ def exhaustive_optimum(cost_model: CostModel, gpus: int, seq_lens: list[int]) ->
         for groups in partitions(list(lens)):
             if any(sum(g) > e.max_tokens for g in groups):
                 continue
-            times = [sum(e.a * s * s + e.b * s for s in g) + e.c for g in groups]
+            times = [sum(e.seq_ms(s) for s in g) + e.c for g in groups]
             best = min(best, sum(times) + (scheme.pp - 1) * max(times))
         return best
 
@@ -96,7 +97,7 @@ def _replica_optimum_per_subset(e: SchemeCost, seq_lens: list[int]) -> np.ndarra
     n = len(seq_lens)
     sets, blocks, _ = _set_and_block(n)
     tokens = _subset_sums([float(s) for s in seq_lens])
-    work = _subset_sums([e.a * s * s + e.b * s for s in seq_lens])
+    work = _subset_sums([e.seq_ms(s) for s in seq_lens])
     fits = tokens[blocks] <= e.max_tokens
     sets, blocks = sets[fits], blocks[fits]
     largest = np.full(1 << n, math.inf)  # over the splits into v micro-batches
@@ -156,6 +157,37 @@ def test_no_plan_beats_any_bound(instance):
     for name in ("area", "latency", "pipeline", "long"):
         assert getattr(bounds, name) <= optimum * (1 + 1e-9), (name, bounds, optimum)
     assert bounds.best == max(bounds.area, bounds.latency, bounds.pipeline, bounds.long)
+
+
+CP_SCHEMES = [ParallelScheme(tp=1, cp=2), ParallelScheme(tp=2, cp=2), ParallelScheme(tp=1, cp=4)]
+
+
+@st.composite
+def cp_instances(draw):
+    """4 GPUs, schemes with and without CP: a CP scheme's exchange sometimes longer than its attention."""
+    entries = []
+    for scheme in [ParallelScheme(tp=1), ParallelScheme(tp=2), *CP_SCHEMES]:
+        entries.append(SchemeCost(
+            scheme=scheme, a=draw(st.floats(0, 2e-3)), b=draw(st.floats(0.05, 1.0)), c=draw(st.floats(0, 60)),
+            max_tokens=draw(st.integers(16, 400)), exchange=draw(st.floats(0, 0.5)) if scheme.cp > 1 else 0.0))
+    model = CostModel(name="random-cp", entries=tuple(entries), gpus_per_node=4)
+    longest = max(e.max_tokens for e in entries)
+    lens = draw(st.lists(st.integers(1, longest), min_size=1, max_size=5))
+    return model, 4, lens
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cp_instances())
+def test_no_plan_beats_any_bound_with_context_parallel_schemes(instance):
+    model, gpus, lens = instance
+    optimum = exhaustive_optimum(model, gpus, lens)
+    assert subset_optimum(model, gpus, lens) == pytest.approx(optimum, rel=1e-9)
+    bounds = bound_terms(model, gpus, lens)
+    for name in ("area", "latency", "pipeline", "long"):
+        assert getattr(bounds, name) <= optimum * (1 + 1e-9), (name, bounds, optimum)
+    planner = Planner(model, gpus, every_strategy(list(model.schemes), gpus),
+                      fixed=Strategy.homogeneous(ParallelScheme(tp=1), gpus), refine=False)
+    assert planner.plan(lens).est_step_ms >= optimum * (1 - 1e-9)
 
 
 # Beyond tp1 (always there, so any set of replicas can be topped up to fill the cluster), the schemes a

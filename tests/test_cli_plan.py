@@ -126,7 +126,9 @@ def test_exact_batch_from_a_text_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,contents,message", [
-    (["--lengths", "{f}", "--steps", "1"], "100\n50000\n",
+    (["--lengths", "{f}", "--steps", "1"], "100\n500000\n",
+     "a sequence of 500000 tokens is longer than every scheme"),
+    (["--lengths", "{f}", "--steps", "1", "--context-parallel", "off"], "100\n50000\n",
      "a sequence of 50000 tokens is longer than every scheme"),
     (["--lengths", "{f}", "--steps", "1"], "\n", "the batch is empty"),
     (["--lengths", "{f}", "--steps", "1"], "10\n0\n", "got '0'"),

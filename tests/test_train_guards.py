@@ -1,5 +1,6 @@
 """What the trainer refuses or leaves alone: optimisers that are not elementwise (with the supported list), a
-strategy given as one string, a TP degree that does not divide the head count, a token cap the machine cannot
+strategy given as one string, a TP degree that does not divide the head count, a context-parallel scheme the
+cost model lacks (a listed one is added from its (tp, pp) scheme), a token cap the machine cannot
 hold (a clear error in seconds, not a process the OOM killer ends), and a batch with no next-token pair (no
 optimiser step, no weight decay, said so in the stats)."""
 
@@ -51,8 +52,9 @@ def test_one_strategy_as_a_string_is_one_strategy():
 
 def test_a_tp_degree_that_does_not_divide_the_heads_is_named():
     import hcompile
-    from hcompile.cost import check_strategies, default_cost_model
+    from hcompile.cost import add_listed_cp_schemes, check_strategies, default_cost_model
     from hcompile.models import Llama, LlamaConfig, init_weights_
+    from passes.plan.ir import ParallelScheme
 
     graph = hcompile.compile(init_weights_(Llama(LlamaConfig()), seed=0)).captured(64).graph_module
     model = default_cost_model(graph, "llama", 4, 64)
@@ -64,6 +66,14 @@ def test_a_tp_degree_that_does_not_divide_the_heads_is_named():
     with pytest.raises(ValueError, match="pp4 is more than the model's 2 layers"):
         check_strategies(("1x(tp1,pp4)",), model, graph, 4)
     check_strategies(("2x(tp2)", "1x(tp2)+2x(tp1)"), model, graph, 4)
+    with pytest.raises(ValueError, match="strategy '1x\\(cp2,tp2\\)': \\(tp2,pp1,cp2\\) is not a scheme of the cost "
+                                         "model"):
+        check_strategies(("1x(cp2,tp2)",), model, graph, 4)
+    listed = add_listed_cp_schemes(model, ("1x(cp2,tp2)",))  # the trainer adds a listed strategy's CP schemes
+    check_strategies(("1x(cp2,tp2)",), listed, graph, 4)
+    base, cp = listed.cost(ParallelScheme(tp=2)), listed.cost(ParallelScheme(tp=2, cp=2))
+    assert (cp.a, cp.b, cp.c, cp.max_tokens) == (base.a / 2, base.b / 2, base.c, 2 * base.max_tokens)
+    assert add_listed_cp_schemes(model, "auto") is model  # never planned on its own
 
 
 def _one_rank(rank, world):

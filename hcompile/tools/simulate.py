@@ -15,6 +15,7 @@ import numpy as np
 from hcompile.tools.files import check_output_path, write_text_atomically
 from hcompile.tools.progress import progress_bar
 from passes.plan.bounds import Bounds
+from passes.plan.context_parallel import CP_MODES, with_context_parallel
 from passes.plan.cost_model import (
     HCOMPILE_RUNTIME,
     MEMORY_MODELS,
@@ -26,10 +27,12 @@ from passes.plan.cost_model import (
 )
 from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
 from passes.plan.diagnose import PARTS, StepDiagnosis, diagnose
-from passes.plan.ir import CostModel, PlanError, StepPlan, Strategy
-from passes.plan.links import link_preset
+from passes.plan.dynamic_cp import cp_bases, homogeneous_cp_strategy
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
+from passes.plan.links import LINK_PRESETS, link_preset
 from passes.plan.movement import MovementCost, llama_compute_layout, movement_bytes
-from passes.plan.policies import POLICIES, Planner, sized_homogeneous
+from passes.plan.placement import too_long_error, usable_schemes
+from passes.plan.policies import ALL_POLICIES, CP_POLICIES, POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 
 __all__ = ["PlanJob", "PolicyResult", "PlanReport", "run_plan_job", "format_report"]
@@ -58,8 +61,9 @@ class PlanJob:
     """Global batches to plan."""
     seed: int = 0
     """Seed of batch sampling and of the pool's draws."""
-    policies: tuple[str, ...] = POLICIES
-    """Policies to run, side by side."""
+    policies: tuple[str, ...] = ()
+    """Policies to run, side by side; empty: every policy of ``POLICIES``, and the ``CP_POLICIES`` too when
+    context-parallel schemes are planned."""
     lengths_file: str | None = None
     """A JSON histogram or a text file of lengths; with ``steps == 1`` a text file is planned as one batch."""
     optimizer_layout: str | None = None
@@ -72,6 +76,9 @@ class PlanJob:
     charge_movement: bool = True
     """Whether estimates include the exposed parameter and gradient movement and strategies are chosen by it
     (counted either way when the profile gives the model's heads and FFN width)."""
+    context_parallel: str = "auto"
+    """Context-parallel schemes (``passes.plan.context_parallel.CP_MODES``): ``auto`` plans them only when a
+    sequence of the data is longer than every scheme without CP holds; ``on``; ``off``."""
 
     def __post_init__(self) -> None:
         if self.memory_model not in MEMORY_MODELS:
@@ -82,11 +89,11 @@ class PlanJob:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise PlanError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not self.policies:
-            raise PlanError("at least one policy is needed")
         for policy in self.policies:
-            if policy not in POLICIES:
-                raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+            if policy not in ALL_POLICIES:
+                raise PlanError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
+        if self.context_parallel not in CP_MODES:
+            raise PlanError(f"unknown context-parallel mode {self.context_parallel!r}; known: {', '.join(CP_MODES)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,6 +160,10 @@ class PlanReport:
     """The movement count and its links; None when the profile does not give the model's heads and FFN width."""
     movement_floor_ms: float = 0.0
     """Movement no strategy avoids, in every step's bound when the job charges movement."""
+    cp_fixed: Strategy | None = None
+    """The ``homogeneous-cp`` baseline's strategy (None: CP not planned)."""
+    cp_base: ParallelScheme | None = None
+    """The ``dynamic-cp`` baseline's TP scheme (None: CP not planned)."""
 
     def to_json(self) -> dict:
         """The ``--json`` object."""
@@ -168,6 +179,8 @@ class PlanReport:
             "max_tokens": {e.scheme.describe(): e.max_tokens for e in self.cost_model.entries},
             "pool": [s.describe() for s in self.pool],
             "fixed_strategy": self.fixed.describe(),
+            **({"cp_fixed_strategy": self.cp_fixed.describe()} if self.cp_fixed is not None else {}),
+            **({"cp_base": self.cp_base.describe()} if self.cp_base is not None else {}),
             "lower_bound_ms_mean": round(float(np.mean(self.lower_bound_ms)), 3),
             "movement": None if self.movement is None else {
                 "charged": self.job.charge_movement, "links": self.movement.links.to_dict(),
@@ -227,8 +240,14 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
         if layout.gpus != job.gpus or not layout.is_homogeneous:
             raise PlanError(f"optimizer layout {layout.describe()} must be homogeneous over {job.gpus} GPUs")
     else:
-        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len, runtime)
-    cost_model = build_cost_model(profile, layout, runtime)
+        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len, runtime,
+                                          longest_held=job.context_parallel != "off")
+    links = profile.links if profile.links is not None else (
+        link_preset(job.hardware) if job.hardware in LINK_PRESETS else None)
+    cost_model = with_context_parallel(build_cost_model(profile, layout, runtime), profile, links, job.gpus,
+                                       dataset.max_len, layout, runtime, job.context_parallel)
+    if dataset.max_len > max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, job.gpus)), default=0):
+        raise too_long_error(cost_model, job.gpus, dataset.max_len)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
     movement = movement_cost(profile, job.hardware, cost_model)
@@ -238,7 +257,36 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers,
                       extra=pool_extra)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
-    return Planner(cost_model, job.gpus, pool, fixed, movement=charged), dataset, batches
+    planner = Planner(cost_model, job.gpus, pool, fixed, movement=charged)
+    if any(s.cp > 1 for s in cost_model.schemes):
+        _choose_cp_baselines(planner, dataset.max_len, batches[:_CP_TRIAL_BATCHES])
+    return planner, dataset, batches
+
+
+_CP_TRIAL_BATCHES = 3
+"""Batches the CP baselines' TP is chosen on."""
+
+
+def _choose_cp_baselines(planner: Planner, longest: int, trial: list[list[int]]) -> None:
+    """Give ``planner`` its CP baselines at their best: of the TP schemes that can hold ``longest``
+    (``dynamic_cp.cp_bases``), for each baseline the one whose plans of the ``trial`` batches are fastest on
+    average (as a user would tune the TP of a static configuration)."""
+    bases = cp_bases(planner.cost_model, planner.gpus, longest)
+    if not bases:
+        return
+
+    def mean_ms(policy: str) -> float:
+        return float(np.mean([planner.plan(batch, policy).est_step_ms for batch in trial]))
+
+    timed: dict[str, list[tuple[float, str, ParallelScheme]]] = {p: [] for p in CP_POLICIES}
+    for base in bases:
+        planner.cp_base = base
+        planner.cp_fixed = homogeneous_cp_strategy(planner.cost_model, planner.gpus, base, longest)
+        for policy in CP_POLICIES:
+            timed[policy].append((mean_ms(policy), base.describe(), base))
+    planner.cp_base = min(timed["dynamic-cp"])[2]
+    planner.cp_fixed = homogeneous_cp_strategy(planner.cost_model, planner.gpus, min(timed["homogeneous-cp"])[2],
+                                               longest)
 
 
 def movement_cost(profile: Profile, hardware: str, cost_model: CostModel) -> MovementCost | None:
@@ -275,16 +323,17 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     if plans_out is not None:
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job, progress)
+    policies = job.policies or (POLICIES + (CP_POLICIES if planner.cp_base is not None else ()))
     movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model)
     moved = None if movement is None else _busiest_bytes(movement, planner.cost_model.gpus_per_node)
     plans: list[StepPlan] = []
     lines: list[str] = []
-    per_policy: dict[str, list[StepPlan]] = {p: [] for p in job.policies}
-    diagnoses: dict[str, list[StepDiagnosis]] = {p: [] for p in job.policies}
+    per_policy: dict[str, list[StepPlan]] = {p: [] for p in policies}
+    diagnoses: dict[str, list[StepDiagnosis]] = {p: [] for p in policies}
     bounds: list[Bounds] = []
     for step, batch in enumerate(batches):
         bounds.append(planner.bounds(batch))  # computed once, reused by every policy's plan of the batch
-        for policy in job.policies:
+        for policy in policies:
             plan = planner.plan(batch, policy)
             diagnosis = diagnose(planner.cost_model, job.gpus, plan, bounds[-1], planner.movement_floor_ms)
             per_policy[policy].append(plan)
@@ -293,7 +342,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
             lines.append(json.dumps({**plan.to_dict(step=step), "diagnosis": diagnosis.to_dict()},
                                     separators=(",", ":")))
             if progress is not None:
-                progress("planning steps x policies", len(plans), len(batches) * len(job.policies))
+                progress("planning steps x policies", len(plans), len(batches) * len(policies))
     results = {
         name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
                            tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]),
@@ -305,7 +354,8 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     report = PlanReport(job=job, dataset_name=dataset.name, pool=tuple(planner.pool), fixed=planner.fixed,
                         lower_bound_ms=tuple(b.best + planner.movement_floor_ms for b in bounds),
                         bounds=tuple(bounds), cost_model=planner.cost_model, results=results, movement=movement,
-                        movement_floor_ms=planner.movement_floor_ms)
+                        movement_floor_ms=planner.movement_floor_ms, cp_fixed=planner.cp_fixed,
+                        cp_base=planner.cp_base)
     if plans_out is not None:
         write_text_atomically(plans_out, "\n".join(lines) + "\n")
     return report, plans
@@ -342,6 +392,9 @@ def format_report(report: PlanReport) -> str:
     else:
         lines.append("movement not counted: the profile does not give the model's heads and FFN width")
     lines.append(f"fixed strategy (baselines): {report.fixed.describe()}")
+    if report.cp_fixed is not None and report.cp_base is not None:
+        lines.append(f"context-parallel baselines: homogeneous-cp {report.cp_fixed.describe()}, dynamic-cp slots of "
+                     f"{report.cp_base.describe()} (its ranks regroup within a step: not runnable)")
     lines.append("hydraulis pool: " + ", ".join(s.describe() for s in report.pool))
     return "\n".join(lines)
 

@@ -76,7 +76,10 @@ class _Table:
         self.c = np.array([e.c for e in costs])[:, None]
         self.mt = np.array([e.max_tokens for e in costs], dtype=np.float64)[:, None]
         self.fits = seq_lens[None, :] <= self.mt
-        self.work = np.array([e.a for e in costs])[:, None] * s * s + np.array([e.b for e in costs])[:, None] * s
+        a, b = np.array([e.a for e in costs])[:, None], np.array([e.b for e in costs])[:, None]
+        x = np.array([e.exchange for e in costs])[:, None]
+        self.work = np.where(x > 0, b * s + np.maximum(a * s * s, x * s), a * s * s + b * s)
+        """Per-stage work of each sequence: ``SchemeCost.seq_ms``."""
         self.additive = self.work + self.c * s / self.mt
         """Per-stage time a sequence adds to its replica (its share of the per-micro-batch cost included)."""
         self.area = np.where(self.fits, self.gpus * self.additive, np.inf)

@@ -313,9 +313,11 @@ def build_cost_model(profile: Profile, optimizer_layout: Strategy, runtime: Runt
 
 
 def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int,
-                             runtime: RuntimeMemory | None = None) -> Strategy:
+                             runtime: RuntimeMemory | None = None, longest_held: bool = False) -> Strategy:
     """The homogeneous strategy sized for ``longest_seq``: the fewest GPUs per replica whose scheme holds it
-    under its own layout (ties: fewer pipeline stages). ``4x(tp16,pp1)`` for llama-32b on 64 GPUs."""
+    under its own layout (ties: fewer pipeline stages). ``4x(tp16,pp1)`` for llama-32b on 64 GPUs. With
+    ``longest_held``, a sequence longer than every scheme holds gets the layout sized for the longest one held
+    (the layout context parallelism extends) instead of an error."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"the GPU count must be a positive integer, got {gpus!r}")
     candidates, supported = [], []
@@ -330,6 +332,8 @@ def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int,
     if not supported:
         sizes = sorted({s.gpus for s in profile.schemes})
         raise PlanError(f"no strategy of {profile.name} fills {gpus} GPUs (replica sizes: {sizes})")
+    if not candidates and longest_held:
+        return default_optimizer_layout(profile, gpus, max(supported), runtime)
     if not candidates:
         raise PlanError(f"a sequence of {longest_seq} tokens is longer than every scheme of {profile.name} can hold "
                         f"on {gpus} GPUs (longest supported: {max(supported)} tokens)")

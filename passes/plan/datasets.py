@@ -20,7 +20,7 @@ from passes.plan.ir import PlanError
 
 __all__ = ["LengthDataset", "PRESET_DATASETS", "load_dataset", "read_lengths_file", "sample_batches", "check_batch"]
 
-PRESET_DATASETS = ("commoncrawl", "github", "python-code")
+PRESET_DATASETS = ("commoncrawl", "github", "python-code", "long-context")
 
 
 MAX_SEQUENCES = 10_000_000

@@ -127,7 +127,7 @@ def diagnose(cost_model: CostModel, gpus: int, plan: StepPlan, bounds: Bounds | 
     lens = plan.seq_lens
     bounds = bounds if bounds is not None else bound_terms(cost_model, gpus, lens)
     overall = cheapest_area(cost_model, [s for s in cost_model.schemes if s.gpus <= gpus], lens)
-    in_strategy = cheapest_area(cost_model, list(plan.strategy.schemes), lens)
+    in_strategy = cheapest_area(cost_model, sorted({r.scheme for r in plan.replicas}), lens)
     makespan = plan.est_step_ms - plan.est_move_ms
     placed = idle = packing = 0.0
     replicas = []
@@ -141,6 +141,8 @@ def diagnose(cost_model: CostModel, gpus: int, plan: StepPlan, bounds: Bounds | 
         idle += g * (makespan - replica.est_ms)
         replicas.append(ReplicaDiagnosis(scheme=replica.scheme.describe(), est_ms=replica.est_ms,
                                          slack_ms=makespan - replica.est_ms))
+    if plan.regrouped:  # groups share ranks one after another: the idle GPU-ms is what they leave of the step
+        idle = gpus * makespan - sum(r.scheme.gpus * r.est_ms for r in plan.replicas)
     strategy = float((in_strategy - overall).sum())
     return StepDiagnosis(est_step_ms=plan.est_step_ms, bounds=bounds, strategy_ms=strategy / gpus,
                          dispatch_ms=(placed + idle) / gpus, packing_ms=packing / gpus, replicas=tuple(replicas),

@@ -64,7 +64,8 @@ class ParallelScheme:
 
     @classmethod
     def parse(cls, text: str) -> "ParallelScheme":
-        """Parse ``tp4``, ``(tp4,pp2)`` or ``tp8,pp3,cp1``; missing degrees default to 1."""
+        """Parse ``tp4``, ``(tp4,pp2)``, ``(cp2,tp4)`` or ``tp8,pp3,cp1``: the degrees in any order, each at most
+        once; missing degrees default to 1."""
         body = text.strip()
         if body.startswith("(") and body.endswith(")"):
             body = body[1:-1]
@@ -121,7 +122,7 @@ class Strategy:
         """Parse ``1x(tp16,pp1)+12x(tp4)``; a part without ``Nx`` counts once."""
         parts = []
         for chunk in text.replace(" ", "").split("+"):
-            m = re.fullmatch(r"(?:(\d+)x)?(\(.*\)|tp\d+.*)", chunk)
+            m = re.fullmatch(r"(?:(\d+)x)?(\(.*\)|(?:tp|pp|cp)\d+.*)", chunk)
             if m is None:
                 raise PlanError(f"cannot parse strategy {text!r}: expected e.g. '1x(tp16)+12x(tp4)'")
             try:
@@ -183,9 +184,12 @@ class SchemeCost:
     """Fixed cost of one micro-batch on one stage, ms."""
     max_tokens: int
     """Most tokens one micro-batch may hold under the memory model (0: the scheme does not fit at all)."""
+    exchange: float = 0.0
+    """Context parallelism's K/V exchange, ms per token of a sequence per stage: it runs beside the sequence's
+    attention (``a s^2``), so a sequence costs ``b s + max(a s^2, exchange s)``; 0 without CP."""
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "exchange"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value) or value < 0:
                 raise PlanError(
@@ -195,8 +199,9 @@ class SchemeCost:
             raise PlanError(f"max_tokens of {self.scheme.describe()} must be an integer >= 0, got {self.max_tokens!r}")
 
     def seq_ms(self, seq_len: int | float) -> float:
-        """Time one sequence adds to a micro-batch on one stage (without the fixed ``c``)."""
-        return self.a * seq_len * seq_len + self.b * seq_len
+        """Time one sequence adds to a micro-batch on one stage (without the fixed ``c``): ``a s^2 + b s``, the
+        attention term replaced by the CP exchange where that is longer."""
+        return self.b * seq_len + max(self.a * seq_len * seq_len, self.exchange * seq_len)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -368,6 +373,10 @@ class StepPlan:
     """Wall-clock time the planner needed for this step."""
     est_move_ms: float = 0.0
     """The exposed parameter and gradient movement included in ``est_step_ms`` (0 when not charged)."""
+    regrouped: bool = False
+    """True when ranks regroup during the step (the ``dynamic-cp`` baseline: a CP group per sequence, groups
+    one after another on shared ranks; ``strategy`` is then the TP layout of the slots): a plan to compare, which
+    the runtime cannot run."""
 
     @property
     def num_gpus(self) -> int:
@@ -382,6 +391,8 @@ class StepPlan:
 
     def place_of(self, rank: int) -> "Place":
         """Where global ``rank`` is in the plan: replica, pipeline stage, CP rank, TP rank."""
+        if self.regrouped:
+            raise PlanError(f"a {self.policy} plan regroups its ranks during the step; no rank has one place")
         for index, replica in enumerate(self.replicas):
             if rank in replica.ranks:
                 at = replica.ranks.index(rank)
@@ -403,6 +414,8 @@ class StepPlan:
             lower_bound_ms=round(self.lower_bound_ms, 3),
             solve_ms=round(self.solve_ms, 3),
         )
+        if self.regrouped:
+            out["regrouped"] = True
         return out
 
     def to_json(self, step: int | None = None) -> str:

@@ -28,8 +28,9 @@ from passes.plan.ir import ParallelScheme, PlanError, Strategy
 from passes.plan.links import Links
 from passes.plan.placement import assign_ranks
 
-__all__ = ["ComputeLayout", "RankMovement", "movement_bytes", "merged", "places", "llama_compute_layout",
-           "pair_elements", "MovementTime", "movement_time", "MovementCost", "DEFAULT_CHUNK_NUMEL"]
+__all__ = ["compute_scheme", "ComputeLayout", "RankMovement", "movement_bytes", "merged", "places",
+           "llama_compute_layout", "pair_elements", "MovementTime", "movement_time", "MovementCost",
+           "DEFAULT_CHUNK_NUMEL"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
 """Elements of the runtime's largest single message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL``)."""
@@ -138,13 +139,22 @@ class RankMovement:
         return self.params_received + self.params_sent + self.grads_sent + self.grads_received
 
 
+def compute_scheme(scheme: ParallelScheme) -> ParallelScheme:
+    """The scheme whose parameter slices ``scheme``'s ranks compute with: a CP rank holds the same TP slice
+    of its stage as the replica without CP, so ``(tp, pp, cp)`` computes as ``(tp, pp)``."""
+    return scheme if scheme.cp == 1 else ParallelScheme(tp=scheme.tp, pp=scheme.pp)
+
+
 def places(strategy: Strategy, gpus_per_node: int) -> list[Place]:
-    """Per rank of the job, its (scheme, stage, TP rank) where the planner places ``strategy``."""
+    """Per rank of the job, its (scheme, stage, TP rank) where the planner places ``strategy``; a CP replica's
+    stage group is ``cp`` TP groups one after another (rank ``i`` of the group: TP rank ``i % tp``), each
+    placed as its scheme without CP (:func:`compute_scheme`)."""
     out: dict[int, Place] = {}
     for scheme, ranks in zip(strategy.replicas(), assign_ranks(strategy, gpus_per_node)):
         width = scheme.tp * scheme.cp
+        base = compute_scheme(scheme)
         for i, rank in enumerate(ranks):
-            out[rank] = (scheme, i // width, i % width)
+            out[rank] = (base, i // width, (i % width) % scheme.tp)
     return [out[r] for r in range(strategy.gpus)]
 
 
@@ -331,8 +341,8 @@ class MovementCost:
         most a shard of them, and the rest comes in and its gradient goes out at the fastest link."""
         if gpus < 2 or not schemes:
             return 0.0
-        fewest = min(self.layout.needs((s, stage, t)).total for s in schemes for stage in range(s.pp)
-                     for t in range(s.tp * s.cp))
+        fewest = min(self.layout.needs((compute_scheme(s), stage, t)).total for s in schemes for stage in range(s.pp)
+                     for t in range(s.tp))
         missing = max(0, fewest - -(-self.layout.numel // gpus))
         fastest = max(self.links.intra_gbps, self.links.inter_gbps) * 1e6
         return missing * (self.param_bytes + self.reduce_bytes) / fastest
@@ -401,7 +411,7 @@ def llama_compute_layout(*, layers: int, hidden: int, ffn_hidden: int, heads: in
         offsets.append(total)
         total += p.numel
     ranges: dict[Place, Ranges] = {}
-    for scheme in schemes:
+    for scheme in dict.fromkeys(compute_scheme(s) for s in schemes):  # a CP scheme computes as its base
         if heads % scheme.tp or (kv_heads % scheme.tp and scheme.tp % kv_heads) or scheme.pp > layers:
             raise PlanError(f"{scheme.describe()} does not fit a LLaMA of {heads} heads, {kv_heads} kv heads and "
                             f"{layers} layers")

@@ -12,6 +12,14 @@
 - ``hydraulis``: each step the best strategy of the data-aware pool, or of the mixes of the pool's schemes
   that a hill climb from the pool's best reaches (``refine=True``), with the two-stage assignment.
 
+Two context-parallel baselines (``CP_POLICIES``; dynamic-cp's plans regroup ranks within a step, which the
+runtime cannot run), given the planner's ``cp_fixed`` / ``cp_base``:
+
+- ``homogeneous-cp``: one fixed strategy, every replica the same TP and the CP size the dataset's longest
+  sequence needs (``dynamic_cp.homogeneous_cp_strategy``), with the two-stage assignment.
+- ``dynamic-cp``: Megatron-Core's dynamic CP (``dynamic_cp.py``): fixed TP, each sequence its own CP size
+  over the DP x CP slots, ranks regrouping per sequence (``StepPlan.regrouped``).
+
 With a :class:`~passes.plan.movement.MovementCost`, every policy's estimate is its compute makespan plus the
 exposed parameter and gradient movement of its strategy (``StepPlan.est_move_ms``), the strategies are chosen
 and ranked by that sum, and the lower bound adds the movement floor (no strategy moves less); without one,
@@ -29,15 +37,19 @@ import numpy as np
 from passes.plan.assign import Kind, dispatch, first_fit
 from passes.plan.bounds import Bounds, bound_terms, lower_bound_ms
 from passes.plan.datasets import check_batch
-from passes.plan.ir import CostModel, PlanError, ReplicaPlan, StepPlan, Strategy
+from passes.plan.dynamic_cp import dynamic_cp_schedule
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
 
-__all__ = ["POLICIES", "Planner", "homogeneous_strategies", "sized_homogeneous"]
+__all__ = ["POLICIES", "CP_POLICIES", "ALL_POLICIES", "Planner", "homogeneous_strategies", "sized_homogeneous"]
 
 POLICIES = ("padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step", "hydraulis")
+CP_POLICIES = ("dynamic-cp", "homogeneous-cp")
+"""The context-parallel baselines (they need the planner's ``cp_base`` and ``cp_fixed``)."""
+ALL_POLICIES = POLICIES + CP_POLICIES
 
 
 def homogeneous_strategies(cost_model: CostModel, gpus: int) -> list[Strategy]:
@@ -72,7 +84,8 @@ class Planner:
     def __init__(self, cost_model: CostModel, gpus: int, pool: list[Strategy], fixed: Strategy,
                  rounds: int = 64, prune_above: float = 1.02, refine: bool = True, refine_starts: int = 2,
                  full_at_least: int = 2, full_at_most: int = 16, allow: Callable[[Strategy], bool] | None = None,
-                 movement: MovementCost | None = None):
+                 movement: MovementCost | None = None, cp_fixed: Strategy | None = None,
+                 cp_base: ParallelScheme | None = None):
         self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
         for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least),
                             ("full_at_most", full_at_most)):
@@ -81,6 +94,12 @@ class Planner:
         for strategy in [*pool, fixed]:
             self._check_strategy(strategy)
         self.pool, self.fixed = list(pool), fixed
+        if cp_fixed is not None:
+            self._check_strategy(cp_fixed)
+        self.cp_fixed = cp_fixed
+        """The ``homogeneous-cp`` baseline's strategy (None: that policy is refused)."""
+        self.cp_base = cp_base
+        """The ``dynamic-cp`` baseline's TP scheme (None: that policy is refused)."""
         self.homogeneous = homogeneous_strategies(cost_model, gpus)
         self.refine = refine
         """Whether ``hydraulis`` also considers other mixes of the pool's schemes (off: the pool's strategies only)."""
@@ -128,12 +147,15 @@ class Planner:
     def plan(self, seq_lens: list[int], policy: str = "hydraulis", strategy: Strategy | None = None) -> StepPlan:
         """One step's plan under ``policy`` (or, with ``strategy`` given, that strategy with the two-stage
         assignment); raises PlanError for a bad batch, policy or strategy."""
-        if policy not in POLICIES:
-            raise PlanError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        if policy not in ALL_POLICIES:
+            raise PlanError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
         seq_lens = check_batch(list(seq_lens))
         bound = self.bounds(seq_lens).best + self.movement_floor_ms
         started = time.perf_counter()
-        if strategy is not None:
+        regrouped = False
+        if strategy is None and policy in CP_POLICIES:
+            best, regrouped = self._cp_baseline(policy, seq_lens), policy == "dynamic-cp"
+        elif strategy is not None:
             self._check_strategy(strategy)
             if not self._holds(strategy, max(seq_lens)):
                 raise PlanError(f"strategy {strategy.describe()} cannot hold a sequence of {max(seq_lens)} tokens")
@@ -146,7 +168,24 @@ class Planner:
         solve_ms = (time.perf_counter() - started) * 1e3
         return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
                         est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms,
-                        est_move_ms=best.move_ms)
+                        est_move_ms=best.move_ms, regrouped=regrouped)
+
+    def _cp_baseline(self, policy: str, seq_lens: list[int]) -> _Assignment:
+        """``homogeneous-cp`` or ``dynamic-cp`` (module docstring)."""
+        if policy == "homogeneous-cp":
+            if self.cp_fixed is None:
+                raise PlanError("policy homogeneous-cp needs the planner's cp_fixed strategy; none was given")
+            if not self._holds(self.cp_fixed, max(seq_lens)):
+                raise PlanError(f"policy homogeneous-cp: a sequence of {max(seq_lens)} tokens does not fit its "
+                                f"strategy {self.cp_fixed.describe()}")
+            return self._two_stage(self.cp_fixed, seq_lens)
+        if self.cp_base is None:
+            raise PlanError("policy dynamic-cp needs the planner's cp_base TP scheme; none was given")
+        schedule = dynamic_cp_schedule(self.cost_model, self.gpus, self.cp_base, seq_lens)
+        layout = Strategy.homogeneous(self.cp_base, self.gpus)  # CP ranks compute with the TP slices
+        move = self.move_ms(layout)
+        return _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=schedule.makespan_ms + move,
+                           move_ms=move)
 
     def bounds(self, seq_lens: Sequence[int]) -> Bounds:
         """Every lower bound of the batch (``bounds.bound_terms``), kept for the last batch: the policies

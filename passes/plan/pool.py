@@ -118,7 +118,7 @@ def fluid_makespan(types: list[Kind], counts: np.ndarray, seqs: np.ndarray) -> n
     ends = np.concatenate((bounds, np.full((len(bounds), 1), n)), axis=1)
     worst = np.zeros((counts.shape[0], len(bounds)))
     for k, t in enumerate(types):
-        w = t.a * s * s + t.b * s
+        w = t.seq_ms_array(s)
         prefix = np.concatenate(([0.0], np.cumsum(w)))
         lo, hi = starts[:, k], ends[:, k]
         empty = hi <= lo

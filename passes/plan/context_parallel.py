@@ -1,0 +1,127 @@
+"""Context parallelism (CP) as a heterogeneous axis of the planner: which CP schemes exist and what they cost.
+
+A replica ``(tp, pp, cp)`` splits every sequence over ``cp`` groups of ``tp`` GPUs per stage (the causal
+load-balanced layout: each CP rank holds two mirrored chunks, so every rank gets the same attention work). Its
+cost per stage is derived from the profiled ``(tp, pp)`` scheme: the attention (``a``) and linear (``b``)
+terms divided by ``cp``, the fixed term ``c`` kept (every rank pays it) plus one message start-up per ring
+step, and the K/V exchange of the ring as ``SchemeCost.exchange``: per layer, each rank receives the K/V of
+the other ``cp - 1`` chunks in the forward, again in the backward, and sends the K/V gradients back (three
+passes of ``(cp - 1) / cp`` of the sequence's K/V, the rank's ``1/tp`` of the kv heads, bf16), over the
+slowest link of the ring (inside a node when ``tp * cp`` fits in one, else one network port per GPU). The
+exchange runs beside the attention, so a sequence costs ``b s + max(a s^2, exchange s)`` per stage: only
+the part of the exchange that the attention cannot hide is counted. Per micro-batch this is an upper bound
+(the exchange of a packed micro-batch hides behind the attention of all its sequences). The memory model
+already divides the activations per token by ``cp`` (``cost_model.max_tokens_for``); the ring's K/V
+buffers (two chunks of one layer) are not counted.
+
+Which CP schemes the planner considers (``cp_schemes``): profiled schemes without pipeline stages as the
+base, ``cp`` a power of two, the ``tp * cp`` ranks of a stage inside one node or on whole nodes, up to the
+least ``cp`` that holds the data's longest sequence. ``mode`` ``auto`` (the default) adds them only when
+some sequence is longer than every scheme without CP holds, so data that fits plans exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from passes.plan.cost_model import Profile, RuntimeMemory, max_tokens_for
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
+from passes.plan.links import Links
+from passes.plan.placement import group_aligns
+
+__all__ = ["CP_MODES", "KV_BYTES", "ceil_pow2", "cp_cost", "cp_schemes", "needs_cp", "with_context_parallel"]
+
+CP_MODES = ("auto", "on", "off")
+"""``auto``: CP schemes only when a sequence is longer than every other scheme holds; ``on``: always; ``off``:
+never."""
+KV_BYTES = 2
+"""Bytes of one K or V element on the ring (bf16)."""
+_RING_PASSES = 3
+"""K/V in the forward, K/V again in the backward, their gradients back."""
+
+
+def ceil_pow2(x: float) -> int:
+    """The least power of two >= ``x`` (1 for ``x <= 1``)."""
+    n = 1
+    while n < x:
+        n *= 2
+    return n
+
+
+def _kv_width(profile: Profile) -> float:
+    """K (or V) elements per token per layer: the hidden size times kv heads over heads (as many kv heads as
+    heads where the profile does not say)."""
+    if profile.heads is None or profile.kv_heads is None:
+        return float(profile.hidden)
+    return profile.hidden * profile.kv_heads / profile.heads
+
+
+def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: Strategy,
+            runtime: RuntimeMemory | None = None) -> SchemeCost:
+    """The cost of ``base``'s scheme with ``cp`` CP ranks per TP rank (module docstring): ``a/cp``, ``b/cp``,
+    ``c`` plus the ring's start-ups, the exchange per token from ``links``, ``max_tokens`` from the memory
+    model under ``layout`` (``runtime`` as in ``cost_model.state_bytes``)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
+        raise PlanError(f"a CP degree must be an integer >= 2, got {cp!r}")
+    b = base.scheme
+    if b.cp != 1:
+        raise PlanError(f"the base of a CP scheme must have cp=1, got {b.describe()}")
+    scheme = ParallelScheme(tp=b.tp, pp=b.pp, cp=cp)
+    layers = profile.layers / b.pp
+    same_node = b.tp * cp <= links.gpus_per_node
+    gbps = links.intra_gbps if same_node else links.inter_gbps
+    per_token = _RING_PASSES * (cp - 1) / cp * 2 * _kv_width(profile) / b.tp * KV_BYTES  # bytes per layer
+    exchange = layers * per_token / (gbps * 1e6)
+    startups = layers * _RING_PASSES * (cp - 1) * links.latency_us * 1e-3
+    return SchemeCost(scheme=scheme, a=base.a / cp, b=base.b / cp, c=base.c + startups,
+                      max_tokens=max_tokens_for(profile, scheme, layout, runtime),
+                      exchange=exchange)
+
+
+def _no_cp_caps(cost_model: CostModel, gpus: int) -> list[int]:
+    return [cost_model.max_tokens(s) for s in cost_model.schemes
+            if s.cp == 1 and s.gpus <= gpus and group_aligns(s.tp, cost_model.gpus_per_node)]
+
+
+def needs_cp(cost_model: CostModel, gpus: int, longest: int) -> bool:
+    """Whether a sequence of ``longest`` tokens is longer than every usable scheme without CP holds."""
+    return longest > max(_no_cp_caps(cost_model, gpus), default=0)
+
+
+def cp_schemes(cost_model: CostModel, gpus: int, longest: int) -> list[tuple[ParallelScheme, int]]:
+    """(base scheme, cp) of every CP scheme to consider (module docstring); ``cp`` goes up to the least
+    power of two that holds ``longest`` on that base (at least 2)."""
+    gpn = cost_model.gpus_per_node
+    out = []
+    for base in cost_model.schemes:
+        cap = cost_model.max_tokens(base)
+        if base.cp != 1 or base.pp != 1 or cap <= 0 or not group_aligns(base.tp, gpn):
+            continue
+        top = max(2, ceil_pow2(longest / cap))
+        cp = 2
+        while cp <= top and base.tp * cp <= gpus:
+            if group_aligns(base.tp * cp, gpn):
+                out.append((base, cp))
+            cp *= 2
+    return out
+
+
+def with_context_parallel(cost_model: CostModel, profile: Profile, links: Links | None, gpus: int, longest: int,
+                          layout: Strategy, runtime: RuntimeMemory | None = None, mode: str = "auto") -> CostModel:
+    """``cost_model`` with the CP schemes of :func:`cp_schemes` added (``mode`` of :data:`CP_MODES`; ``auto``
+    adds them only when :func:`needs_cp`; ``links`` None is an error only then); schemes it already knows are
+    kept as they are."""
+    if mode not in CP_MODES:
+        raise PlanError(f"unknown context-parallel mode {mode!r}; expected one of {', '.join(CP_MODES)}")
+    if mode == "off" or (mode == "auto" and not needs_cp(cost_model, gpus, longest)):
+        return cost_model
+    if links is None:
+        raise PlanError(f"context parallelism needs the links of {profile.name} (its profile gives none and its "
+                        f"hardware has no preset); plan with --context-parallel off")
+    known = {e.scheme for e in cost_model.entries}
+    added = []
+    for base, cp in cp_schemes(cost_model, gpus, longest):
+        entry = cp_cost(profile, cost_model.cost(base), cp, links, layout, runtime)
+        if entry.scheme not in known:
+            added.append(entry)
+    return replace(cost_model, name=f"{cost_model.name} with CP", entries=(*cost_model.entries, *added))
