@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from hcompile.tools.profile import CPU_MODELS, ProfileJob, cost_model_from_profi
 from hcompile.tools.spawn import RankError, max_local_ranks, run_local_ranks
 from passes.plan.cost_model import load_profile_file
 from passes.plan.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
-from passes.plan.ir import CostModel, ParallelScheme, PlanError
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan.links import Links
 from passes.plan.policies import POLICIES
 
@@ -84,6 +85,10 @@ class E2EConfig:
     max_tp: int = 2
     """Largest tensor-parallel degree profiled and planned with (the default data needs tp2: longest 1024
     tokens, 768 per rank; tp4 would only lengthen the profile)."""
+    max_cp: int = 1
+    """Largest context-parallel degree (a power of two; 1: none). With cp > 1 the trainers plan from a listed
+    pool, every strategy of this job's schemes: tp in ``tps``, and (tp, cp) for cp = 2, 4, .. up to it, so
+    that sequences longer than ``tokens_per_rank * max_tp`` train on CP replicas (``--dataset long-context``)."""
     policies: tuple[str, ...] = DEFAULT_POLICIES
     """Policies, side by side."""
     cost: str = "profile"
@@ -110,7 +115,7 @@ class E2EConfig:
         if self.dataset == TEXT_DATASET and CPU_MODELS[self.model].vocab < ByteTokenizer().vocab_size:
             raise PlanError(f"model {self.model!r} has {CPU_MODELS[self.model].vocab} tokens, byte-level text "
                             f"needs {ByteTokenizer().vocab_size}")
-        for name in ("context", "ranks", "tokens_per_rank", "global_tokens", "steps", "max_tp"):
+        for name in ("context", "ranks", "tokens_per_rank", "global_tokens", "steps", "max_tp", "max_cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
@@ -124,6 +129,8 @@ class E2EConfig:
             raise PlanError(f"long_documents must be 'drop' or 'split', got {self.long_documents!r}")
         if self.take_turns not in ("auto", "on", "off"):
             raise PlanError(f"take_turns must be 'auto', 'on' or 'off', got {self.take_turns!r}")
+        if self.max_cp & (self.max_cp - 1) or self.max_cp > self.ranks:
+            raise PlanError(f"max_cp must be a power of two up to the {self.ranks} ranks, got {self.max_cp}")
         if self.cost not in ("profile", "analytic") and not Path(self.cost).is_file():
             raise PlanError(f"cost {self.cost!r} is neither 'profile', 'analytic' nor a profile file")
 
@@ -141,6 +148,41 @@ class E2EConfig:
         kv = CPU_MODELS[self.model].kv_heads
         top = min(self.ranks, self.max_tp)
         return tuple(tp for tp in range(1, top + 1) if self.ranks % tp == 0 and kv % tp == 0)
+
+    @property
+    def schemes(self) -> tuple[ParallelScheme, ...]:
+        """Every scheme planned with: (tp) for tp in ``tps`` and, up to ``max_cp``, (tp, cp) within the ranks."""
+        cps = [1 << i for i in range(self.max_cp.bit_length()) if 1 << i <= self.max_cp]
+        return tuple(ParallelScheme(tp=tp, cp=cp) for cp in cps for tp in self.tps
+                     if tp * cp <= self.ranks and self.ranks % (tp * cp) == 0)
+
+    @property
+    def strategies(self) -> tuple[str, ...] | None:
+        """The listed pool when context parallelism is on (None: the trainers build their own pool)."""
+        if self.max_cp == 1:
+            return None
+        return tuple(s.describe() for s in _strategies(sorted(self.schemes, key=lambda s: -s.gpus), self.ranks))
+
+    @property
+    def longest_supported(self) -> int:
+        """The longest sequence a replica of these schemes holds."""
+        return self.tokens_per_rank * max(s.tp * s.cp for s in self.schemes)
+
+
+def _strategies(schemes: list[ParallelScheme], gpus: int) -> list[Strategy]:
+    """Every multiset of ``schemes`` (widest first) whose GPUs add up to ``gpus``."""
+    out: list[Strategy] = []
+
+    def extend(start: int, left: int, chosen: list[ParallelScheme]) -> None:
+        if left == 0:
+            out.append(Strategy.of(Counter(chosen)))
+            return
+        for i in range(start, len(schemes)):
+            if schemes[i].gpus <= left:
+                extend(i, left - schemes[i].gpus, [*chosen, schemes[i]])
+
+    extend(0, gpus, [])
+    return out
 
 
 def scale_dataset(dataset: LengthDataset, context: int) -> LengthDataset:
@@ -160,9 +202,11 @@ def _check_fits(cfg: E2EConfig, data: LengthDataset) -> None:
     if cfg.tokens_per_rank < shortest:
         raise PlanError(f"the per-rank cap of {cfg.tokens_per_rank} tokens is smaller than the shortest sequence "
                         f"({shortest} tokens)")
-    if longest > cfg.tokens_per_rank * max(cfg.tps):
-        raise PlanError(f"the longest sequence ({longest} tokens) needs more than tp{max(cfg.tps)} x "
-                        f"{cfg.tokens_per_rank} tokens; raise --tokens-per-rank or lower --context")
+    if longest > cfg.longest_supported:
+        top = max(cfg.schemes, key=lambda s: s.tp * s.cp)
+        raise PlanError(f"the longest sequence ({longest} tokens) needs more than {top.describe()} x "
+                        f"{cfg.tokens_per_rank} tokens per rank; raise --tokens-per-rank or --max-cp, or lower "
+                        "--context")
 
 
 def build_cost_model(cfg: E2EConfig, show_progress: bool, out: Path) -> tuple[CostModel, dict, Links | None]:
@@ -214,15 +258,16 @@ def run_e2e(cfg: E2EConfig, show_progress: bool = True, out: Path = Path("result
         batches = sample_batches(data, cfg.global_tokens, cfg.warmup + cfg.steps, cfg.seed)
     _check_fits(cfg, data)
     cost_model, cost_info, links = build_cost_model(cfg, show_progress, out)
-    buckets = token_buckets(cfg.tokens_per_rank * max(cfg.tps))
+    buckets = token_buckets(cfg.tokens_per_rank * max(cfg.tps))  # a CP rank's share is at most a TP replica's
     job = RankJob(model=cfg.model, seed=cfg.seed, policies=cfg.policies, batches=tuple(map(tuple, batches)),
                   tokens=None if tokens is None else tuple(tuple(map(tuple, b)) for b in tokens),
                   warmup=cfg.warmup, tokens_per_rank=cfg.tokens_per_rank, buckets=buckets.sizes, cost_model=cost_model,
                   dataset=data, lr=cfg.lr, show_progress=show_progress, take_turns=cfg.replicas_take_turns,
-                  compile_backend=cfg.compile_backend, links=links)
+                  compile_backend=cfg.compile_backend, links=links, strategies=cfg.strategies)
     started = time.perf_counter()
     records = run_local_ranks(cfg.ranks, rank_main, job, timeout_s=cfg.timeout_s)[0]
     return {"config": {**asdict(cfg), "policies": list(cfg.policies), "tps": list(cfg.tps),
+                       "strategies": None if cfg.strategies is None else list(cfg.strategies),
                        "replicas_take_turns": cfg.replicas_take_turns,
                        "buckets": list(buckets.sizes), "dataset_scaled": data.source, "cost_model": cost_model.name,
                        **cost_info},
@@ -351,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=d.steps, help=f"measured steps per policy ({d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"unmeasured steps per policy ({d.warmup})")
     p.add_argument("--max-tp", type=int, default=d.max_tp, help=f"largest tensor-parallel degree ({d.max_tp})")
+    p.add_argument("--max-cp", type=int, default=d.max_cp,
+                   help=f"largest context-parallel degree, a power of two ({d.max_cp}: none); above 1 the pool is "
+                        "every strategy of the tp and (tp, cp) schemes")
     p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
                    help=f"a policy, repeatable (default: {', '.join(DEFAULT_POLICIES)})")
     p.add_argument("--cost", default=d.cost, help="profile (fit here first), analytic, or a profile JSON file")
@@ -373,14 +421,15 @@ def config_from_args(args: argparse.Namespace) -> E2EConfig:
     policies = tuple(args.policies or DEFAULT_POLICIES)
     if args.smoke:
         return E2EConfig(model="llama-tiny", dataset=args.dataset, context=128, long_documents=args.long_documents,
-                         ranks=args.ranks, tokens_per_rank=64,
-                         global_tokens=256, steps=2, warmup=1, max_tp=2, policies=policies, cost="analytic",
-                         seed=args.seed, take_turns=args.take_turns, compile_backend=args.compile_backend)
+                         ranks=args.ranks, tokens_per_rank=64 if args.max_cp == 1 else 32,  # CP: the tail needs it
+                         global_tokens=256, steps=2, warmup=1, max_tp=2, max_cp=args.max_cp, policies=policies,
+                         cost="analytic", seed=args.seed, take_turns=args.take_turns,
+                         compile_backend=args.compile_backend)
     return E2EConfig(model=args.model, dataset=args.dataset, context=args.context, long_documents=args.long_documents,
                      ranks=args.ranks,
                      tokens_per_rank=args.tokens_per_rank, global_tokens=args.global_tokens, steps=args.steps,
-                     warmup=args.warmup, max_tp=args.max_tp, policies=policies, cost=args.cost, seed=args.seed,
-                     take_turns=args.take_turns, compile_backend=args.compile_backend)
+                     warmup=args.warmup, max_tp=args.max_tp, max_cp=args.max_cp, policies=policies, cost=args.cost,
+                     seed=args.seed, take_turns=args.take_turns, compile_backend=args.compile_backend)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,9 @@ class RankJob:
     links: Links | None = None
     """The links the profile measured between these ranks, on which the planner's movement time is predicted
     (None: the ranks probe them first, ``runtime.link_probe``)."""
+    strategies: tuple[str, ...] | None = None
+    """A listed pool (context parallelism is planned only where strategies list it), or None: each trainer
+    builds its own."""
 
 
 def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -> list[float]:
@@ -99,7 +102,7 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
     init_weights_(compiled.model, seed=job.seed)
     buckets = TokenBuckets(sizes=job.buckets)
     options = TrainOptions(optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": job.lr},
-                           tokens_per_rank=job.tokens_per_rank,
+                           tokens_per_rank=job.tokens_per_rank, strategies=job.strategies or "auto",
                            policy=policy, buckets=buckets, replicas_take_turns=job.take_turns)
     trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
     started = time.perf_counter()
@@ -133,7 +136,7 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     if i == job.warmup - 1:
         state["warm_compilations"] = stats.compilations
     if i >= job.warmup:
-        record = _step_record(i, stats, plan, wall, predicted_ms(job.cost_model, plan, state["buckets"]),
+        record = _step_record(i, stats, plan, wall, predicted_ms(trainer.cost_model, plan, state["buckets"]),
                               state["movement"])
         if trainer.calibration is not None:  # rank 0: the factors the next plans use
             record["calibration"] = {s.describe(): round(f, 4) for s, f in trainer.calibration.factors.items()}

@@ -20,7 +20,7 @@ from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.plan.ir import CostModel, ParallelScheme, StepPlan, Strategy
-from passes.plan.movement import ComputeLayout, merged
+from passes.plan.movement import ComputeLayout, compute_scheme, merged
 from runtime.fixed_layout import FixedLayout
 
 __all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
@@ -138,7 +138,7 @@ def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
     lowering's parameter slices (``FixedLayout.slice_ranges``, what ``runtime.stage_params`` holds), for the
     planner's movement count (``passes.plan.movement``). Decides the lowerings it has not met yet."""
     ranges = {}
-    for scheme in schemes:
+    for scheme in sorted({compute_scheme(s) for s in schemes}):  # a CP rank computes as its TP rank
         for stage in range(scheme.pp):
             for tp_rank in range(scheme.tp):
                 group = "movement" if scheme.tp > 1 else None  # decisions do not depend on the group's name

@@ -21,14 +21,26 @@ def test_layout_covers_every_token_once_with_whole_sequence_positions():
     assert sum(layout.tokens(r) for r in range(4)) == sum(lengths)
     for r in range(4):
         assert layout.positions(r) == [i for p in layout.ranks[r] for i in range(p.start, p.stop)]
-    # the split sequences (40, 17, 64) give every rank chunks r and 7 - r: the same causal work, to one chunk
-    for seq in (0, 3, 4):
-        work = [sum(_causal_work(p) for p in layout.ranks[r] if p.seq == seq) for r in range(4)]
-        chunk = -(-lengths[seq] // 8)
-        assert max(work) - min(work) <= 2 * chunk * lengths[seq] / 8 + chunk, (seq, work)
-    assert all(len([p for p in layout.ranks[r] if p.seq == 4]) == 2 for r in range(4))
-    # the short ones whole, on one rank each
-    assert all(sum(1 for r in range(4) for p in layout.ranks[r] if p.seq == s) == 1 for s in (1, 5))
+    # no rank above the even share: a micro-batch within a CP replica's cap fits every rank's
+    assert max(layout.tokens(r) for r in range(4)) <= -(-sum(lengths) // 4)
+    # the longest (64, split first, the ranks level) gives every rank chunks r and 7 - r of 8 tokens: equal work
+    assert [[(p.start, p.stop) for p in layout.ranks[r] if p.seq == 4] for r in range(4)] == [
+        [(8 * r, 8 * r + 8), (56 - 8 * r, 64 - 8 * r)] for r in range(4)]
+    assert len({sum(_causal_work(p) for p in layout.ranks[r] if p.seq == 4) for r in range(4)}) == 1
+    # a short one whole, on one rank, where it fits
+    assert sum(1 for r in range(4) for p in layout.ranks[r] if p.seq == 5) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_layout_never_puts_a_rank_above_the_even_share(seed):
+    g = torch.Generator().manual_seed(seed)
+    cp = [2, 4, 8][seed % 3]
+    lengths = torch.randint(0, 300, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+    layout = cp_layout(lengths, cp)
+    tokens = [layout.tokens(r) for r in range(cp)]
+    assert max(tokens) <= -(-sum(lengths) // cp), (lengths, tokens)
+    covered = sorted((p.seq, i) for r in range(cp) for p in layout.ranks[r] for i in range(p.start, p.stop))
+    assert covered == [(s, i) for s, n in enumerate(lengths) for i in range(n)]
 
 
 def test_layout_errors_name_the_value():

@@ -63,6 +63,20 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
     assert tokens["hydraulis"] == tokens["homogeneous-token"]
 
 
+def test_long_context_trains_on_context_parallel_replicas(tmp_path, capsys):
+    """Documents longer than any TP replica holds (``long-context`` scaled to 128 tokens, 32 per rank, tp2 at
+    most) train on (cp2) replicas, every policy from the same listed pool, the loss curves equal."""
+    assert main(["--smoke", "--dataset", "long-context", "--max-cp", "2", "--json", "--no-plots",
+                 "--out", str(tmp_path), "--policy", "hydraulis", "--policy", "homogeneous-token"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert "1x(tp2,pp1,cp2)" in summary["config"]["strategies"] and summary["config"]["max_cp"] == 2
+    assert summary["loss_spread"] < 1e-4
+    used = {s for p in summary["policies"].values() for s in p["strategies"]}
+    assert any("cp2" in s for s in used), used
+    for metrics in summary["policies"].values():
+        assert metrics["compilations_after_warmup"] == 0
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "gpt-huge"], "gpt-huge"),
     (["--dataset", "wikipedia"], "wikipedia"),
@@ -72,6 +86,7 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
     (["--tokens-per-rank", "64", "--context", "4096", "--max-tp", "4", "--cost", "analytic"], "longest sequence"),
     (["--ranks", "100000"], "more than this machine can start"),
     (["--policy", "magic"], "magic"),
+    (["--max-cp", "3"], "max_cp must be a power of two"),
 ])
 def test_bad_input_exits_2(argv, needle, capsys):
     assert main(argv) == 2

@@ -24,7 +24,6 @@ positions a graph input (``CP_INPUTS``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -97,43 +96,63 @@ class CpLayout:
 
 
 def cp_layout(lengths: Sequence[int], cp: int, split_at: int | None = None) -> CpLayout:
-    """Spread sequences of ``lengths`` over ``cp`` ranks: those of at least ``split_at`` tokens (default: half a
-    rank's even share, and never fewer than 2 * cp) in 2 * cp chunks, rank r taking chunks r and 2cp-1-r; the
-    others whole, longest first, each to the rank with the least causal attention work so far."""
+    """Spread sequences of ``lengths`` over ``cp`` ranks, longest first. A sequence shorter than ``split_at``
+    tokens (default: half a rank's even share) goes whole to the rank holding the fewest tokens, when that keeps
+    it within the even share ``ceil(total / cp)``; any other is cut into 2 * cp chunks, rank r taking chunks r
+    and 2cp-1-r, each rank's two chunks sized by water-filling the ranks' token counts (equal counts give equal
+    chunks, so equal causal work). No rank holds more than ``ceil(total / cp)`` tokens: a micro-batch within a
+    CP replica's cap puts no rank above its own."""
     if cp < 1:
         raise ValueError(f"cp={cp} must be >= 1")
     if any(n < 0 for n in lengths):
         raise ValueError(f"sequence lengths must be >= 0; got {list(lengths)}")
-    if split_at is None:
-        split_at = max(1, math.ceil(sum(lengths) / (2 * cp)))
-    split_at = max(split_at, 2 * cp)
+    total = sum(lengths)
+    even = -(-total // cp)
+    split_at = max(1, -(-total // (2 * cp))) if split_at is None else split_at
     pieces: list[list[CpPiece]] = [[] for _ in range(cp)]
-    work = [0.0] * cp
-    for seq in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    load = [0] * cp
+    for seq in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[seq]
-        if cp > 1 and n >= split_at:
-            bounds = _chunk_bounds(n, 2 * cp)
-            for rank in range(cp):
-                for chunk in (rank, 2 * cp - 1 - rank):
-                    piece = CpPiece(seq, bounds[chunk], bounds[chunk + 1])
-                    pieces[rank].append(piece)
-                    work[rank] += _causal_work(piece)
-        elif n > 0:
-            rank = min(range(cp), key=lambda r: (work[r], r))
-            pieces[rank].append(CpPiece(seq, 0, n))
-            work[rank] += _causal_work(CpPiece(seq, 0, n))
+        least = min(range(cp), key=lambda r: (load[r], r))
+        if n == 0:
+            continue
+        if cp == 1 or (n < split_at and load[least] + n <= even):
+            pieces[least].append(CpPiece(seq, 0, n))
+            load[least] += n
+            continue
+        shares = _water_fill(load, n)
+        sizes = [0] * (2 * cp)
+        for rank, share in enumerate(shares):
+            sizes[rank], sizes[2 * cp - 1 - rank] = share - share // 2, share // 2
+            load[rank] += share
+        at = 0
+        for chunk, size in enumerate(sizes):
+            rank = chunk if chunk < cp else 2 * cp - 1 - chunk
+            if size:
+                pieces[rank].append(CpPiece(seq, at, at + size))
+            at += size
     ordered = tuple(tuple(sorted(p, key=lambda x: (x.seq, x.start))) for p in pieces)
     return CpLayout(lengths=tuple(int(n) for n in lengths), ranks=ordered)
 
 
-def _chunk_bounds(n: int, chunks: int) -> list[int]:
-    """Boundaries of ``chunks`` near-equal chunks, the longer ones first (so every chunk but the first has at
-    least as many tokens before it as in it)."""
-    base, extra = divmod(n, chunks)
-    bounds = [0]
-    for i in range(chunks):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
+def _water_fill(load: Sequence[int], n: int) -> list[int]:
+    """How many of ``n`` tokens each rank takes so that the ranks' counts rise from the lowest, as evenly as
+    tokens allow (ties to the lower rank)."""
+    shares = [0] * len(load)
+    level = sorted(range(len(load)), key=lambda r: (load[r], r))
+    left = n
+    while left:
+        low = min(load[r] + shares[r] for r in level)
+        bottom = [r for r in level if load[r] + shares[r] == low]
+        above = [load[r] + shares[r] for r in level if load[r] + shares[r] > low]
+        step = (min(above) - low) if above else -(-left // len(bottom))
+        for r in bottom:
+            give = min(step, left)
+            shares[r] += give
+            left -= give
+            if not left:
+                break
+    return shares
 
 
 def _causal_work(piece: CpPiece) -> float:
