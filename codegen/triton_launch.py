@@ -232,7 +232,7 @@ def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict
             signature[name] = "constexpr"
         elif name in ("lse_ptr", "delta_ptr"):
             signature[name] = "*fp32"
-        elif name == "cu_seqlens_ptr":
+        elif name in ("cu_seqlens_ptr", "cu_seqlens_k_ptr"):
             signature[name] = "*i32"
         elif name.endswith("_ptr"):
             signature[name] = _POINTER_TYPES[spec.dtype]
