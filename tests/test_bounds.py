@@ -133,30 +133,41 @@ def subset_optimum(cost_model: CostModel, gpus: int, seq_lens: list[int]) -> flo
     return float(best[gpus, -1])
 
 
-@st.composite
-def instances(draw):
+def _draw_instance(draw, schemes: list[ParallelScheme], name: str):
+    """4 GPUs, random coefficients for ``schemes`` (a CP scheme's exchange sometimes longer than its
+    attention), up to 5 lengths any scheme holds."""
     entries = []
-    for scheme in SCHEMES:
+    for scheme in schemes:
         entries.append(SchemeCost(
             scheme=scheme, a=draw(st.floats(0, 2e-3)), b=draw(st.floats(0.05, 1.0)), c=draw(st.floats(0, 60)),
-            max_tokens=draw(st.integers(16, 400))))
-    model = CostModel(name="random", entries=tuple(entries), gpus_per_node=4)
+            max_tokens=draw(st.integers(16, 400)), exchange=draw(st.floats(0, 0.5)) if scheme.cp > 1 else 0.0))
+    model = CostModel(name=name, entries=tuple(entries), gpus_per_node=4)
     longest = max(e.max_tokens for e in entries)
     lens = draw(st.lists(st.integers(1, longest), min_size=1, max_size=5))
     return model, 4, lens
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instances())
-@example((TOY, 8, [1, 1, 224, 641, 641, 1]))  # two long ones fill the cluster, the short ones all absorbed
-def test_no_plan_beats_any_bound(instance):
-    model, gpus, lens = instance
+def _check_bounds(model, gpus, lens) -> float:
+    """The exhaustive optimum, after checking the subset search reaches it and no bound exceeds it."""
     optimum = exhaustive_optimum(model, gpus, lens)
     assert subset_optimum(model, gpus, lens) == pytest.approx(optimum, rel=1e-9)
     bounds = bound_terms(model, gpus, lens)
     for name in ("area", "latency", "pipeline", "long"):
         assert getattr(bounds, name) <= optimum * (1 + 1e-9), (name, bounds, optimum)
     assert bounds.best == max(bounds.area, bounds.latency, bounds.pipeline, bounds.long)
+    return optimum
+
+
+@st.composite
+def instances(draw):
+    return _draw_instance(draw, SCHEMES, "random")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+@example((TOY, 8, [1, 1, 224, 641, 641, 1]))  # two long ones fill the cluster, the short ones all absorbed
+def test_no_plan_beats_any_bound(instance):
+    _check_bounds(*instance)
 
 
 CP_SCHEMES = [ParallelScheme(tp=1, cp=2), ParallelScheme(tp=2, cp=2), ParallelScheme(tp=1, cp=4)]
@@ -164,27 +175,15 @@ CP_SCHEMES = [ParallelScheme(tp=1, cp=2), ParallelScheme(tp=2, cp=2), ParallelSc
 
 @st.composite
 def cp_instances(draw):
-    """4 GPUs, schemes with and without CP: a CP scheme's exchange sometimes longer than its attention."""
-    entries = []
-    for scheme in [ParallelScheme(tp=1), ParallelScheme(tp=2), *CP_SCHEMES]:
-        entries.append(SchemeCost(
-            scheme=scheme, a=draw(st.floats(0, 2e-3)), b=draw(st.floats(0.05, 1.0)), c=draw(st.floats(0, 60)),
-            max_tokens=draw(st.integers(16, 400)), exchange=draw(st.floats(0, 0.5)) if scheme.cp > 1 else 0.0))
-    model = CostModel(name="random-cp", entries=tuple(entries), gpus_per_node=4)
-    longest = max(e.max_tokens for e in entries)
-    lens = draw(st.lists(st.integers(1, longest), min_size=1, max_size=5))
-    return model, 4, lens
+    """4 GPUs, schemes with and without CP."""
+    return _draw_instance(draw, [ParallelScheme(tp=1), ParallelScheme(tp=2), *CP_SCHEMES], "random-cp")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cp_instances())
 def test_no_plan_beats_any_bound_with_context_parallel_schemes(instance):
     model, gpus, lens = instance
-    optimum = exhaustive_optimum(model, gpus, lens)
-    assert subset_optimum(model, gpus, lens) == pytest.approx(optimum, rel=1e-9)
-    bounds = bound_terms(model, gpus, lens)
-    for name in ("area", "latency", "pipeline", "long"):
-        assert getattr(bounds, name) <= optimum * (1 + 1e-9), (name, bounds, optimum)
+    optimum = _check_bounds(model, gpus, lens)
     planner = Planner(model, gpus, every_strategy(list(model.schemes), gpus),
                       fixed=Strategy.homogeneous(ParallelScheme(tp=1), gpus), refine=False)
     assert planner.plan(lens).est_step_ms >= optimum * (1 - 1e-9)
