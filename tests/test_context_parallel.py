@@ -9,7 +9,12 @@ import torch
 import torch.distributed as dist
 from dist_util import run_ranks
 
-from passes.graph.context_parallel import CpAttentionInputs, _causal_work, cp_attention, cp_layout
+from passes.graph.context_parallel import CpAttentionInputs, CpPiece, cp_attention, cp_layout
+
+
+def _causal_work(piece: CpPiece) -> float:
+    """Query-key pairs a piece's rows attend: rows start..stop-1, each seeing its prefix."""
+    return (piece.stop * (piece.stop + 1) - piece.start * (piece.start + 1)) / 2
 
 
 def test_layout_covers_every_token_once_with_whole_sequence_positions():

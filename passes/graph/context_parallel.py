@@ -155,11 +155,6 @@ def _water_fill(load: Sequence[int], n: int) -> list[int]:
     return shares
 
 
-def _causal_work(piece: CpPiece) -> float:
-    """Query-key pairs a piece's rows attend: rows start..stop-1, each seeing its prefix."""
-    return (piece.stop * (piece.stop + 1) - piece.start * (piece.start + 1)) / 2
-
-
 @dataclass(frozen=True, slots=True)
 class CpAttentionInputs:
     """One CP rank's index tensors for one micro-batch: which gathered rows are each query piece's keys."""
