@@ -77,6 +77,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama-small", help="CPU model preset: llama-small, llama-tiny")
     p.add_argument("--tp", type=_positive_int, action="append", dest="tps", metavar="N",
                    help="a tensor-parallel degree to profile, repeatable (default 1, 2, 4)")
+    p.add_argument("--cp", type=_positive_int, action="append", dest="cps", metavar="N",
+                   help="a context-parallel degree (>= 2) to profile at the smallest tp, repeatable (default 2)")
+    p.add_argument("--no-cp", action="store_true", help="profile no context-parallel scheme")
     p.add_argument("--tokens-per-rank", type=_positive_int, default=512, help="per-rank memory cap in tokens (512)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per micro-batch, median kept (5)")
     p.add_argument("--gpus", type=_positive_int, default=4, help="ranks the memory constants are written for (4)")
@@ -120,12 +123,17 @@ def _run_profile(args: argparse.Namespace) -> int:
     from hcompile.tools.profile import ProfileJob, format_profile, run_profile
     from hcompile.tools.spawn import RankError
 
+    if args.no_cp and args.cps:
+        print("hcompile profile: error: --cp and --no-cp contradict each other", file=sys.stderr)
+        return 2
+    cps = () if args.no_cp else tuple(args.cps or (2,))
     if args.smoke:
-        job = ProfileJob(model="llama-tiny", tps=(1, 2), tokens_per_rank=128, repeats=2, gpus=args.gpus, seed=args.seed,
-                         device=args.device)
+        job = ProfileJob(model="llama-tiny", tps=(1, 2), cps=cps, tokens_per_rank=128, repeats=2, gpus=args.gpus,
+                         seed=args.seed, device=args.device)
     else:
-        job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), tokens_per_rank=args.tokens_per_rank,
-                         repeats=args.repeats, gpus=args.gpus, seed=args.seed, device=args.device)
+        job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), cps=cps,
+                         tokens_per_rank=args.tokens_per_rank, repeats=args.repeats, gpus=args.gpus, seed=args.seed,
+                         device=args.device)
     check_output_path(args.out, "--out")  # before minutes of profiling
     try:
         report = run_profile(job)

@@ -8,8 +8,8 @@ import pytest
 
 from hcompile.cli import main
 from hcompile.tools.profile import ProfileJob, fit_nonnegative, sweep_packs, token_buckets
-from passes.plan.cost_model import load_profile_file
-from passes.plan.ir import PlanError
+from passes.plan.cost_model import build_cost_model, load_profile_file
+from passes.plan.ir import ParallelScheme, PlanError, Strategy
 
 
 def test_fit_recovers_coefficients_and_stays_nonnegative():
@@ -38,7 +38,8 @@ def test_sweep_packs_fill_buckets_and_hold_out_other_lengths():
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"model": "gpt-9"}, "gpt-9"), ({"tps": (3,)}, "3"), ({"tokens_per_rank": 100}, "100"),
-    ({"gpus": 6, "tps": (4,)}, "6"),
+    ({"gpus": 6, "tps": (4,)}, "6"), ({"cps": (1,)}, "got 1"), ({"cps": (3,)}, "tp1,cp3"),
+    ({"cps": (2, 2)}, "twice"),
 ])
 def test_bad_jobs_quote_the_value(kwargs, needle):
     with pytest.raises(PlanError, match=needle):
@@ -54,12 +55,21 @@ def test_smoke_profile_is_accepted_by_plan(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     assert main(["profile", "--smoke", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert [s["tp"] for s in data["schemes"]] == [1, 2]
+    assert [(s["tp"], s.get("cp", 1)) for s in data["schemes"]] == [(1, 1), (2, 1), (1, 2)]
     for s in data["schemes"]:
         assert min(s["a"], s["b"], s["c"]) >= 0 and "r2" in s and "mape_held_out" in s
+    cp_entry = data["schemes"][2]  # (tp1,cp2) on 2 ranks, packs of up to twice tp1's cap
+    assert cp_entry["derived_mape"] >= 0 and "derived_mape" not in data["schemes"][0]
+    cp_packs = [m["seq_lens"] for m in data["measurements"] if m["cp"] == 2]
+    assert max(sum(lens) for lens in cp_packs) == 2 * max(sum(m["seq_lens"]) for m in data["measurements"]
+                                                          if (m["tp"], m["cp"]) == (1, 1))
     assert any(m["held_out"] for m in data["measurements"])
     profile = load_profile_file(out)
     assert profile.layers == 2 and profile.hidden == 32
+    cost = build_cost_model(profile, Strategy.homogeneous(ParallelScheme(tp=1), 4))
+    measured = cost.cost(ParallelScheme(tp=1, cp=2))  # the planner takes the measured CP cost, not a derived one
+    assert (measured.a, measured.b, measured.c, measured.exchange) == (cp_entry["a"], cp_entry["b"], cp_entry["c"], 0)
+    assert measured.max_tokens > cost.max_tokens(ParallelScheme(tp=1))
     probe = data["link_probe"]  # gloo between local processes: one node, the same links both ways
     assert profile.links is not None and profile.links.intra_gbps == profile.links.inter_gbps > 0
     assert profile.links.intra_gbps == pytest.approx(probe["gbps"], rel=1e-3)

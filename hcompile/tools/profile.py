@@ -1,15 +1,21 @@
 """``hcompile profile``: fit the cost model on the machine it runs on.
 
-Owns the profiling job: for each scheme (tp in ``tps``, pp = 1) it runs the real compiled variants (the
-tensor-parallel and packed-attention rewrites of the captured model, on ``tp`` local ranks) forward and
-backward on a sweep of packed micro-batches, each made of one or several sequences of different lengths at
+Owns the profiling job: for each scheme (tp in ``tps``, pp = 1, and each context-parallel degree of ``cps`` at the
+smallest of those tps) it runs the real compiled variants (the tensor-parallel, packed-attention and
+context-parallel rewrites of the captured model, on ``tp * cp`` local ranks; under CP each rank computes its
+share of the pack's sequences, ``runtime.micro_batch.context_parallel``, and attends over the K/V all-gathered
+from its CP group) forward and backward on a sweep of packed micro-batches, each made of one or several
+sequences of different lengths at
 a token bucket's size (so no padding) so that ``a`` (sum s^2), ``b`` (sum s) and ``c`` separate. It times
 the busiest rank's CPU time with its communication threads (``runtime.cpu_clock``, one core per rank), the
 median of repeats taken round-robin over the sweep, fits ``T = a*sum s^2 + b*sum s + c`` by least
 squares on relative error with non-negative coefficients, reports R^2 on the fitted packs and the mean
 absolute percentage error on held-out packs of other lengths, measures the activation bytes each token keeps
 for backward, and writes a profile JSON in the presets' format (``passes.plan.cost_model.Profile.from_dict``)
-whose memory constants make the longest micro-batch of tp = 1 equal the per-rank token cap. It also probes
+whose memory constants make the longest micro-batch of tp = 1 equal the per-rank token cap. A CP scheme's fit
+is written as its own scheme entry (``"cp": 2``), which the planner then uses instead of deriving the CP cost
+from the scheme without CP (``passes.plan.context_parallel.cp_cost``); the report also gives that derivation's
+error on the measured CP packs (``derived_mape``), which checks the planner's CP model. It also probes
 the links between local ranks (``runtime.link_probe``: gloo between processes on the CPU, NCCL between the
 node's GPUs on CUDA) into the profile's ``hardware`` entry (``intra_gbps``, ``inter_gbps``, ``latency_us``),
 which ``hcompile plan --profile`` charges parameter and gradient movement with; between nodes it writes the
@@ -23,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -73,6 +79,9 @@ class ProfileJob:
     """A CPU model preset (``CPU_MODELS``)."""
     tps: tuple[int, ...] = (1, 2, 4)
     """Tensor-parallel degrees to profile (pp = 1)."""
+    cps: tuple[int, ...] = (2,)
+    """Context-parallel degrees to profile, each at the smallest of ``tps`` (on ``min(tps) * cp`` ranks, packs
+    of up to ``cp`` times that scheme's cap); empty: none."""
     tokens_per_rank: int = 512
     """Per-rank memory cap in tokens: tp = k runs micro-batches up to k times this."""
     repeats: int = 5
@@ -111,6 +120,20 @@ class ProfileJob:
                             f"got {self.tokens_per_rank!r}")
         if self.gpus % max(self.tps):
             raise PlanError(f"gpus {self.gpus!r} is not a multiple of the largest tp {max(self.tps)}")
+        for cp in self.cps:
+            if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
+                raise PlanError(f"a context-parallel degree to profile must be an integer >= 2, got {cp!r}")
+            if self.gpus % (min(self.tps) * cp):
+                raise PlanError(f"gpus {self.gpus!r} is not a multiple of the {min(self.tps) * cp} ranks of "
+                                f"(tp{min(self.tps)},cp{cp})")
+        if len(set(self.cps)) != len(self.cps):
+            raise PlanError(f"context-parallel degrees to profile are listed twice: {self.cps!r}")
+
+    @property
+    def schemes(self) -> tuple[ParallelScheme, ...]:
+        """The schemes profiled, in order: every tp without CP, then each CP degree at the smallest tp."""
+        return (*(ParallelScheme(tp=tp) for tp in self.tps),
+                *(ParallelScheme(tp=min(self.tps), cp=cp) for cp in self.cps))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +155,11 @@ class SchemeFit:
     act_bytes_per_token: float
     """Bytes of activations kept for backward per token on one rank."""
     points: tuple[tuple[tuple[int, ...], float, bool], ...]
-    """(sequence lengths, measured ms, held out) per micro-batch."""
+    """(sequence lengths, measured ms, held out) per micro-batch; under CP the whole sequences' lengths."""
+    derived_mape: float | None = None
+    """CP schemes: the mean absolute percentage error, on every measured pack, of the cost the planner derives
+    for this scheme from the profiled scheme without CP and the probed links (``context_parallel.cp_cost``);
+    None without CP or without the links."""
 
     def predict(self, seq_lens: tuple[int, ...]) -> float:
         return self.a * sum(s * s for s in seq_lens) + self.b * sum(seq_lens) + self.c
@@ -157,15 +184,15 @@ def sweep_packs(cap: int, buckets: TokenBuckets, seed: int) -> list[tuple[tuple[
 
 
 def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repeats: int,
-                bucket_sizes: tuple[int, ...], show: bool, device_type: str = "cpu") -> dict:
-    """In each of ``world`` ranks: ms of forward+backward of every pack on this rank's TP slice (on the CPU the
-    computing and communication threads' CPU time, as the executor's busy time; on a GPU CUDA events), and the
-    bytes saved for backward at two sizes."""
+                bucket_sizes: tuple[int, ...], show: bool, device_type: str = "cpu", cp: int = 1) -> dict:
+    """In each of ``world`` ranks, a replica ``(tp, cp)`` with ``tp = world // cp``: ms of forward+backward of
+    every pack on this rank's TP slice and CP share (on the CPU the computing and communication threads' CPU time,
+    as the executor's busy time; on a GPU CUDA events), and the bytes saved for backward at two sizes."""
     from hcompile.api import CompiledModel
+    from passes.plan.ir import ReplicaPlan
     from runtime import distributed as comm
-    from runtime.executor import pack_micro_batch
+    from runtime import micro_batch
     from runtime.fixed_layout import FixedLayout
-    from runtime.loss import packed_causal_lm_loss_sum
     from runtime.stage_params import StageParams
 
     device = comm.group_device() if device_type == "cuda" else torch.device("cpu")
@@ -174,11 +201,17 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     buckets = TokenBuckets(sizes=bucket_sizes)
     compiled = CompiledModel(net, buckets=buckets)
     lowerings = compiled.lowerings(dtype if device.type == "cuda" else None, device if device.type == "cuda" else None)
-    scheme = ParallelScheme(tp=world)
-    program = lowerings.program(scheme, 0, rank, comm.group_name(comm.world_group()))
+    scheme = ParallelScheme(tp=world // cp, cp=cp)
+    replica = ReplicaPlan(scheme=scheme, ranks=tuple(range(world)), micro_batches=(), max_tokens=0, est_ms=0.0)
+    groups = comm.GroupCache()
+    groups.prepare([replica])
+    cp_rank, tp_rank = divmod(rank, scheme.tp)
+    tp_group = comm.group_name(groups.get(replica.tp_group(0, cp_rank)))
+    cp_group = comm.group_name(groups.get(replica.cp_group(0, tp_rank))) if cp > 1 else None
+    program = lowerings.program(scheme, 0, tp_rank, tp_group, cp_rank, cp_group)
     full = dict(net.named_parameters())
-    params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices, world,
-                         dtype, device)
+    params = StageParams(FixedLayout({n: tuple(p.shape) for n, p in full.items()}, 0, 1), program.param_slices,
+                         scheme.tp, dtype, device)
     program.bind(params.params)
     params.materialize()
     params.fill_from(full)
@@ -186,26 +219,31 @@ def _time_packs(rank: int, world: int, model: str, seed: int, packs: list, repea
     vocab = CPU_MODELS[model].vocab
     clock = _Clock(device)
 
+    def share(batch: list[torch.Tensor]) -> micro_batch.MicroBatch:
+        if cp == 1:
+            return micro_batch.packed(batch, range(len(batch)), device)
+        return micro_batch.context_parallel(batch, range(len(batch)), cp, cp_rank, program.bucket, device)
+
     def run(lens: tuple[int, ...], hooks: dict | None = None) -> float:
         batch = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
         params.zero_grads()
         clock.start()
-        ids, cu, max_len = pack_micro_batch(batch, range(len(lens)), device)
+        mb = share(batch)
         if hooks is None:
-            loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
+            loss = mb.loss_sum(mb.run(program, ())[0])
         else:
             def keep(t: torch.Tensor) -> torch.Tensor:
                 hooks[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                loss = packed_causal_lm_loss_sum(program(ids, cu, max_len, ())[0], ids, cu)
+                loss = mb.loss_sum(mb.run(program, ())[0])
         loss.backward()
         return clock.stop()
 
     def tick(done: int) -> None:
         if show and rank == 0 and done % len(packs) in (0, len(packs) // 2):
-            progress_bar(f"profile tp{world}", done, (repeats + 1) * len(packs))
+            progress_bar(f"profile {scheme.describe()}", done, (repeats + 1) * len(packs))
 
     for i, (lens, _) in enumerate(packs):
         run(lens)  # untimed: builds the bucket's graph, warms the allocator
@@ -270,7 +308,7 @@ def fit_nonnegative(features: np.ndarray, y: np.ndarray, weights: np.ndarray) ->
     return best
 
 
-def _fit_scheme(tp: int, packs: list, ms: list[float], act_bytes: float) -> SchemeFit:
+def _fit_scheme(scheme: ParallelScheme, packs: list, ms: list[float], act_bytes: float) -> SchemeFit:
     feats = np.array([[sum(s * s for s in lens), sum(lens), 1.0] for lens, _ in packs], dtype=np.float64)
     y = np.asarray(ms, dtype=np.float64)
     held = np.array([h for _, h in packs], dtype=bool)
@@ -281,7 +319,7 @@ def _fit_scheme(tp: int, packs: list, ms: list[float], act_bytes: float) -> Sche
     r2 = 1.0 - float(np.sum((pred[~held] - fitted) ** 2)) / ss_tot if ss_tot > 0 else 1.0
     mape = float(np.mean(np.abs(pred[held] - y[held]) / y[held])) if held.any() else float("nan")
     points = tuple((tuple(lens), float(t), bool(h)) for (lens, h), t in zip(packs, ms))
-    return SchemeFit(scheme=ParallelScheme(tp=tp), a=float(a), b=float(b), c=float(c), r2=r2, mape=mape,
+    return SchemeFit(scheme=scheme, a=float(a), b=float(b), c=float(c), r2=r2, mape=mape,
                      act_bytes_per_token=act_bytes, points=points)
 
 
@@ -311,10 +349,11 @@ class ProfileReport:
 
     def _memory(self) -> tuple[dict, float]:
         cfg = CPU_MODELS[self.job.model]
-        act = {str(f.scheme.tp): f.act_bytes_per_token / (cfg.layers * cfg.hidden / f.scheme.tp) for f in self.fits}
+        plain = [f for f in self.fits if f.scheme.cp == 1]
+        act = {str(f.scheme.tp): f.act_bytes_per_token / (cfg.layers * cfg.hidden / f.scheme.tp) for f in plain}
         memory = {"safety_margin_gib": 0.0, "activation_bytes_per_token_hidden_layer": act,
                   "state_bytes_per_hidden2_layer": STATE_BYTES_PER_PARAM * self.params_per_layer / cfg.hidden ** 2}
-        smallest = min(self.fits, key=lambda f: f.scheme.tp)
+        smallest = min(plain, key=lambda f: f.scheme.tp)
         draft = self._dict(memory, bound_mib=0.0)
         probe = Profile.from_dict(draft)
         layout = Strategy.homogeneous(smallest.scheme, self.job.gpus)
@@ -339,21 +378,27 @@ class ProfileReport:
             "model": {"name": self.job.model, "layers": cfg.layers, "hidden": cfg.hidden,
                       "ffn_hidden": cfg.ffn_hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab},
             "memory": memory,
-            "schemes": [{"tp": f.scheme.tp, "pp": 1, "a": f.a, "b": f.b, "c": f.c, "r2": round(f.r2, 5),
-                         "mape_held_out": round(f.mape, 5)} for f in self.fits],
+            "schemes": [{"tp": f.scheme.tp, "pp": 1, **({"cp": f.scheme.cp} if f.scheme.cp > 1 else {}),
+                         "a": f.a, "b": f.b, "c": f.c, "r2": round(f.r2, 5), "mape_held_out": round(f.mape, 5),
+                         **({} if f.derived_mape is None else {"derived_mape": round(f.derived_mape, 5)})}
+                        for f in self.fits],
         }
+
+    def draft_json(self) -> dict:
+        """The profile JSON without the per-scheme token caps and the measurements (what parses as a profile)."""
+        memory, bound = self._memory()
+        return self._dict(memory, bound_mib=bound)
 
     def to_json(self) -> dict:
         """The profile JSON (the presets' format plus fit quality and the measurements)."""
-        memory, bound = self._memory()
-        data = self._dict(memory, bound_mib=bound)
+        data = self.draft_json()
         layout = self.layout()
         probe = Profile.from_dict(data)
         for entry, f in zip(data["schemes"], self.fits):
             entry["max_tokens"] = max_tokens_for(probe, f.scheme, layout, HCOMPILE_RUNTIME)
         data["max_tokens_per_rank"] = self.job.tokens_per_rank
-        data["measurements"] = [{"tp": f.scheme.tp, "seq_lens": list(lens), "ms": round(ms, 3), "held_out": h}
-                                for f in self.fits for lens, ms, h in f.points]
+        data["measurements"] = [{"tp": f.scheme.tp, "cp": f.scheme.cp, "seq_lens": list(lens), "ms": round(ms, 3),
+                                 "held_out": h} for f in self.fits for lens, ms, h in f.points]
         data["wall_s"] = round(self.wall_s, 1)
         if self.links is not None:
             data["link_probe"] = self.links.to_dict()
@@ -361,7 +406,7 @@ class ProfileReport:
 
     def layout(self) -> Strategy:
         """The optimiser layout the reported longest micro-batches assume: all ranks at the smallest tp."""
-        return Strategy.homogeneous(min((f.scheme for f in self.fits), key=lambda s: s.tp), self.job.gpus)
+        return Strategy.homogeneous(ParallelScheme(tp=min(self.job.tps)), self.job.gpus)
 
 
 def _params_per_layer(model: str) -> int:
@@ -375,23 +420,42 @@ def run_profile(job: ProfileJob, show_progress: bool = True) -> ProfileReport:
 
     started = time.perf_counter()
     fits = []
-    for tp in job.tps:
-        cap = job.tokens_per_rank * tp
+    for scheme in job.schemes:
+        cap = job.tokens_per_rank * scheme.tp
         buckets = token_buckets(cap)
-        packs = sweep_packs(cap, buckets, job.seed + tp)
-        results = run_local_ranks(tp, _time_packs, job.model, job.seed, packs, job.repeats, buckets.sizes,
-                                  show_progress, job.device, timeout_s=job.timeout_s,
+        # Under CP, packs of cp times the bucket sizes: each rank's share is about one bucket.
+        totals = TokenBuckets(sizes=tuple(scheme.cp * b for b in buckets.sizes))
+        packs = sweep_packs(cap * scheme.cp, totals, job.seed + scheme.tp + 100 * (scheme.cp - 1))
+        results = run_local_ranks(scheme.gpus, _time_packs, job.model, job.seed, packs, job.repeats, buckets.sizes,
+                                  show_progress, job.device, scheme.cp, timeout_s=job.timeout_s,
                                   dist_backend="nccl" if job.device == "cuda" else "gloo")
         ms = [statistics.median(max(r["times"][i][k] for r in results) for k in range(job.repeats))
               for i in range(len(packs))]
         (t0, b0), (t1, b1) = results[0]["saved"]
         act = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
-        fits.append(_fit_scheme(tp, packs, ms, act))
+        fits.append(_fit_scheme(scheme, packs, ms, act))
     device = (f"cuda ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, bf16" if job.device == "cuda"
               else ProfileReport.__dataclass_fields__["device"].default_factory())
     links, network = _probe(job, show_progress)
-    return ProfileReport(job=job, fits=tuple(fits), params_per_layer=_params_per_layer(job.model),
-                         wall_s=time.perf_counter() - started, device=device, links=links, network_gbps=network)
+    report = ProfileReport(job=job, fits=tuple(fits), params_per_layer=_params_per_layer(job.model),
+                           wall_s=time.perf_counter() - started, device=device, links=links, network_gbps=network)
+    return replace(report, fits=tuple(_with_derived_error(report, f) for f in report.fits))
+
+
+def _with_derived_error(report: "ProfileReport", fit: SchemeFit) -> SchemeFit:
+    """``fit`` with ``derived_mape`` set where it is a CP scheme whose base (same tp, no CP) was profiled and the
+    links were probed: the planner's derived CP cost against what was measured."""
+    from passes.plan.context_parallel import cp_cost
+
+    base = next((f for f in report.fits if f.scheme == ParallelScheme(tp=fit.scheme.tp)), None)
+    if fit.scheme.cp == 1 or base is None or report.links is None:
+        return fit
+    profile = Profile.from_dict(report.draft_json())
+    assert profile.links is not None  # the probe's links are in the draft
+    base_cost = SchemeCost(scheme=base.scheme, a=base.a, b=base.b, c=base.c, max_tokens=1)
+    derived = cp_cost(profile, base_cost, fit.scheme.cp, profile.links, report.layout())
+    errors = [abs(derived.c + sum(derived.seq_ms(s) for s in lens) - ms) / ms for lens, ms, _ in fit.points]
+    return replace(fit, derived_mape=float(np.mean(errors)))
 
 
 def _probe_rank(rank: int, world: int, device_type: str) -> LinkProbe:
@@ -425,8 +489,9 @@ def _probe(job: ProfileJob, show_progress: bool) -> tuple[LinkProbe | None, floa
 
 def cost_model_from_profile(profile: Profile, tokens_per_rank: int, schemes: list[ParallelScheme] | None = None,
                             gpus_per_node: int | None = None) -> CostModel:
-    """The profiled coefficients with a per-rank token cap: scheme tp holds ``tokens_per_rank * tp`` tokens."""
-    entries = tuple(SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=tokens_per_rank * s.tp)
+    """The profiled coefficients with a per-rank token cap: scheme (tp, cp) holds ``tokens_per_rank * tp * cp``
+    tokens."""
+    entries = tuple(SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=tokens_per_rank * s.tp * s.cp)
                     for s, a, b, c in profile.coefficients if schemes is None or s in schemes)
     if not entries:
         raise PlanError(f"profile {profile.name!r} has none of the schemes {schemes}")
@@ -438,11 +503,15 @@ def format_profile(report: ProfileReport, out: str | None = None) -> str:
     """The table ``hcompile profile`` prints."""
     data = report.to_json()
     lines = [f"profile of {report.job.model} on {report.device} ({report.wall_s:.0f} s)",
-             f"{'scheme':<10} {'a (ms/tok^2)':>13} {'b (ms/tok)':>11} {'c (ms)':>8} {'R^2':>7} "
-             f"{'MAPE held-out':>13} {'act B/token':>11} {'max tokens':>10}"]
+             f"{'scheme':<15} {'a (ms/tok^2)':>13} {'b (ms/tok)':>11} {'c (ms)':>8} {'R^2':>7} "
+             f"{'MAPE held-out':>13} {'act B/token':>11} {'max tokens':>10} {'derived CP error':>16}"]
     for f, entry in zip(report.fits, data["schemes"]):
-        lines.append(f"{f.scheme.describe():<10} {f.a:>13.3e} {f.b:>11.4f} {f.c:>8.2f} {f.r2:>7.4f} "
-                     f"{100 * f.mape:>12.1f}% {f.act_bytes_per_token:>11.0f} {entry['max_tokens']:>10}")
+        derived = "" if f.derived_mape is None else f"{100 * f.derived_mape:.1f}%"
+        lines.append(f"{f.scheme.describe():<15} {f.a:>13.3e} {f.b:>11.4f} {f.c:>8.2f} {f.r2:>7.4f} "
+                     f"{100 * f.mape:>12.1f}% {f.act_bytes_per_token:>11.0f} {entry['max_tokens']:>10} {derived:>16}")
+    if any(f.derived_mape is not None for f in report.fits):
+        lines.append("derived CP error: mean error, on the CP scheme's measured packs, of the cost the planner derives "
+                     "for it from the scheme without CP and the links (used when a profile has no CP entry)")
     lines.append(f"memory budget {data['hardware']['memory_bound_mib']:.1f} MiB per rank "
                  f"(tp=1 holds {report.job.tokens_per_rank} tokens; longest micro-batches under the optimiser layout "
                  f"{report.layout().describe()})")

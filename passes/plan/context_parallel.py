@@ -2,17 +2,18 @@
 
 A replica ``(tp, pp, cp)`` splits every sequence over ``cp`` groups of ``tp`` GPUs per stage (the causal
 load-balanced layout: each CP rank holds two mirrored chunks, so every rank gets the same attention work). Its
-cost per stage is derived from the profiled ``(tp, pp)`` scheme: the attention (``a``) and linear (``b``)
-terms divided by ``cp``, the fixed term ``c`` kept (every rank pays it) plus one message start-up per ring
-step, and the K/V exchange of the ring as ``SchemeCost.exchange``: per layer, each rank receives the K/V of
-the other ``cp - 1`` chunks in the forward, again in the backward, and sends the K/V gradients back (three
-passes of ``(cp - 1) / cp`` of the sequence's K/V, the rank's ``1/tp`` of the kv heads, bf16), over the
-slowest link of the ring (inside a node when ``tp * cp`` fits in one, else one network port per GPU). The
-exchange runs beside the attention, so a sequence costs ``b s + max(a s^2, exchange s)`` per stage: only
-the part of the exchange that the attention cannot hide is counted. Per micro-batch this is an upper bound
-(the exchange of a packed micro-batch hides behind the attention of all its sequences). The memory model
-already divides the activations per token by ``cp`` (``cost_model.max_tokens_for``); the ring's K/V
-buffers (two chunks of one layer) are not counted.
+cost per stage is derived from the profiled ``(tp, pp)`` scheme as the runtime computes it
+(``passes.graph.context_parallel.cp_attention``): the attention (``a``) and linear (``b``) terms divided by
+``cp``, the fixed term ``c`` kept (every rank pays it), and the K/V exchange: per layer and micro-batch each
+rank all-gathers the K/V of the other ``cp - 1`` ranks' shares before its attention and reduce-scatters their
+gradients after its backward (two passes of ``(cp - 1) / cp`` of the micro-batch's K/V, the rank's ``1/tp`` of
+the kv heads, bf16), over the slowest link of the group (inside a node when ``tp * cp`` fits in one, else one
+network port per GPU), ``cp - 1`` message start-ups per pass (a ring collective). The attention of a layer
+needs all of its K/V, so the exchange does not hide behind it: it is charged in full, its bytes per token in
+``b`` and its start-ups in ``c``. (``SchemeCost.exchange``, the exchange a ring runtime would hide behind the
+attention, stays 0 for these schemes.) A profile that measured a CP scheme (``hcompile profile --cp``) gives
+its cost directly and is used as it is. The memory model already divides the activations per token by ``cp``
+(``cost_model.max_tokens_for``); the gathered K/V of one layer are not counted.
 
 Which CP schemes the planner considers (``cp_schemes``): profiled schemes without pipeline stages as the
 base, ``cp`` a power of two, the ``tp * cp`` ranks of a stage inside one node or on whole nodes, up to the
@@ -35,9 +36,9 @@ CP_MODES = ("auto", "on", "off")
 """``auto``: CP schemes only when a sequence is longer than every other scheme holds; ``on``: always; ``off``:
 never."""
 KV_BYTES = 2
-"""Bytes of one K or V element on the ring (bf16)."""
-_RING_PASSES = 3
-"""K/V in the forward, K/V again in the backward, their gradients back."""
+"""Bytes of one K or V element in the exchange (bf16)."""
+_EXCHANGE_PASSES = 2
+"""The K/V all-gathered in the forward, their gradients reduce-scattered in the backward."""
 
 
 def ceil_pow2(x: float) -> int:
@@ -58,8 +59,8 @@ def _kv_width(profile: Profile) -> float:
 
 def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: Strategy,
             runtime: RuntimeMemory | None = None) -> SchemeCost:
-    """The cost of ``base``'s scheme with ``cp`` CP ranks per TP rank (module docstring): ``a/cp``, ``b/cp``,
-    ``c`` plus the ring's start-ups, the exchange per token from ``links``, ``max_tokens`` from the memory
+    """The cost of ``base``'s scheme with ``cp`` CP ranks per TP rank (module docstring): ``a/cp``, ``b/cp`` plus
+    the exposed K/V exchange per token from ``links``, ``c`` plus its start-ups, ``max_tokens`` from the memory
     model under ``layout`` (``runtime`` as in ``cost_model.state_bytes``)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
         raise PlanError(f"a CP degree must be an integer >= 2, got {cp!r}")
@@ -70,12 +71,11 @@ def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: S
     layers = profile.layers / b.pp
     same_node = b.tp * cp <= links.gpus_per_node
     gbps = links.intra_gbps if same_node else links.inter_gbps
-    per_token = _RING_PASSES * (cp - 1) / cp * 2 * _kv_width(profile) / b.tp * KV_BYTES  # bytes per layer
+    per_token = _EXCHANGE_PASSES * (cp - 1) / cp * 2 * _kv_width(profile) / b.tp * KV_BYTES  # bytes per layer
     exchange = layers * per_token / (gbps * 1e6)
-    startups = layers * _RING_PASSES * (cp - 1) * links.latency_us * 1e-3
-    return SchemeCost(scheme=scheme, a=base.a / cp, b=base.b / cp, c=base.c + startups,
-                      max_tokens=max_tokens_for(profile, scheme, layout, runtime),
-                      exchange=exchange)
+    startups = layers * _EXCHANGE_PASSES * (cp - 1) * links.latency_us * 1e-3
+    return SchemeCost(scheme=scheme, a=base.a / cp, b=base.b / cp + exchange, c=base.c + startups,
+                      max_tokens=max_tokens_for(profile, scheme, layout, runtime))
 
 
 def _no_cp_caps(cost_model: CostModel, gpus: int) -> list[int]:
