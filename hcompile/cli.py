@@ -78,7 +78,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_positive_int, action="append", dest="tps", metavar="N",
                    help="a tensor-parallel degree to profile, repeatable (default 1, 2, 4)")
     p.add_argument("--cp", type=_positive_int, action="append", dest="cps", metavar="N",
-                   help="a context-parallel degree (>= 2) to profile at the smallest tp, repeatable (default 2)")
+                   help="a context-parallel degree (>= 2) to profile at the smallest tp, repeatable (default 2 "
+                        "where the --gpus and, on CUDA, this machine's GPUs hold it)")
     p.add_argument("--no-cp", action="store_true", help="profile no context-parallel scheme")
     p.add_argument("--tokens-per-rank", type=_positive_int, default=512, help="per-rank memory cap in tokens (512)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per micro-batch, median kept (5)")
@@ -120,20 +121,20 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _run_profile(args: argparse.Namespace) -> int:
     from hcompile.tools.files import check_output_path, write_text_atomically
-    from hcompile.tools.profile import ProfileJob, format_profile, run_profile
+    from hcompile.tools.profile import ProfileJob, default_cps, format_profile, run_profile
     from hcompile.tools.spawn import RankError
 
     if args.no_cp and args.cps:
         print("hcompile profile: error: --cp and --no-cp contradict each other", file=sys.stderr)
         return 2
-    cps = () if args.no_cp else tuple(args.cps or (2,))
+    tps = (1, 2) if args.smoke else tuple(args.tps or (1, 2, 4))
+    cps = () if args.no_cp else tuple(args.cps) if args.cps else default_cps(tps, args.gpus, args.device)
     if args.smoke:
-        job = ProfileJob(model="llama-tiny", tps=(1, 2), cps=cps, tokens_per_rank=128, repeats=2, gpus=args.gpus,
+        job = ProfileJob(model="llama-tiny", tps=tps, cps=cps, tokens_per_rank=128, repeats=2, gpus=args.gpus,
                          seed=args.seed, device=args.device)
     else:
-        job = ProfileJob(model=args.model, tps=tuple(args.tps or (1, 2, 4)), cps=cps,
-                         tokens_per_rank=args.tokens_per_rank, repeats=args.repeats, gpus=args.gpus, seed=args.seed,
-                         device=args.device)
+        job = ProfileJob(model=args.model, tps=tps, cps=cps, tokens_per_rank=args.tokens_per_rank,
+                         repeats=args.repeats, gpus=args.gpus, seed=args.seed, device=args.device)
     check_output_path(args.out, "--out")  # before minutes of profiling
     try:
         report = run_profile(job)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hcompile.cli import main
-from hcompile.tools.profile import ProfileJob, fit_nonnegative, sweep_packs, token_buckets
+from hcompile.tools.profile import ProfileJob, default_cps, fit_nonnegative, sweep_packs, token_buckets
 from passes.plan.cost_model import build_cost_model, load_profile_file
 from passes.plan.ir import ParallelScheme, PlanError, Strategy
 
@@ -44,6 +44,11 @@ def test_sweep_packs_fill_buckets_and_hold_out_other_lengths():
 def test_bad_jobs_quote_the_value(kwargs, needle):
     with pytest.raises(PlanError, match=needle):
         ProfileJob(**kwargs)
+
+
+def test_cp2_is_profiled_by_default_only_where_the_cluster_holds_it():
+    assert default_cps((1, 2, 4), gpus=4) == (2,)
+    assert default_cps((1,), gpus=1) == () and default_cps((2, 4), gpus=4) == (2,) and default_cps((4,), gpus=4) == ()
 
 
 def test_cli_bad_model_exits_2(capsys):

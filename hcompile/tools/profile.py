@@ -41,7 +41,7 @@ from passes.plan.cost_model import HCOMPILE_RUNTIME, MIB, Profile, max_tokens_fo
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Strategy
 from runtime.link_probe import LinkProbe
 
-__all__ = ["CPU_MODELS", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
+__all__ = ["CPU_MODELS", "default_cps", "ProfileJob", "SchemeFit", "ProfileReport", "build_model", "token_buckets",
            "sweep_packs", "fit_nonnegative", "run_profile", "format_profile", "cost_model_from_profile"]
 
 CPU_MODELS: dict[str, LlamaConfig] = {
@@ -69,6 +69,15 @@ def token_buckets(largest: int) -> TokenBuckets:
         sizes.append(64 * (1 << (k // 2)) * (1 if k % 2 == 0 else 3) // (1 if k % 2 == 0 else 2))
         k += 1
     return TokenBuckets(sizes=tuple(sorted(set(sizes))))
+
+
+def default_cps(tps: tuple[int, ...], gpus: int, device: str = "cpu") -> tuple[int, ...]:
+    """The context-parallel degrees ``hcompile profile`` measures unless told: 2 at the smallest tp, where a
+    cluster of ``gpus`` holds that replica and (on CUDA) this machine has its GPUs; else none."""
+    ranks = 2 * min(tps or (1,))
+    if gpus % ranks or (device == "cuda" and torch.cuda.device_count() < ranks):
+        return ()
+    return (2,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +135,9 @@ class ProfileJob:
             if self.gpus % (min(self.tps) * cp):
                 raise PlanError(f"gpus {self.gpus!r} is not a multiple of the {min(self.tps) * cp} ranks of "
                                 f"(tp{min(self.tps)},cp{cp})")
+            if self.device == "cuda" and torch.cuda.device_count() < min(self.tps) * cp:
+                raise PlanError(f"--device cuda needs {min(self.tps) * cp} GPUs for (tp{min(self.tps)},cp{cp}), this "
+                                f"machine has {torch.cuda.device_count()}")
         if len(set(self.cps)) != len(self.cps):
             raise PlanError(f"context-parallel degrees to profile are listed twice: {self.cps!r}")
 
