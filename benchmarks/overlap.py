@@ -44,10 +44,11 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
     from runtime import distributed as comm
 
     trainers = {}
+    with hcompile.empty_init():
+        model = Llama(cfg)
+    compiled = hcompile.compile(model, buckets=TokenBuckets.powers_of_two(32, 256))  # captured once for both
     for mode in MODES:
-        with hcompile.empty_init():
-            model = Llama(cfg)
-        trainers[mode] = hcompile.compile(model, buckets=TokenBuckets.powers_of_two(32, 256)).trainer(
+        trainers[mode] = compiled.trainer(
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=list(strategies),
             tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02),
             overlap_movement=mode == "overlap")

@@ -61,8 +61,9 @@ def _train(rank, world, name):
     import hcompile
 
     out = []
+    compiled = hcompile.compile(_model(name), buckets=BUCKETS)  # one capture per bucket, a trainer per strategy
     for strategy, lens in _steps(name):
-        trainer = hcompile.compile(_model(name), buckets=BUCKETS).trainer(
+        trainer = compiled.trainer(
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5}, strategies=[strategy],
             tokens_per_rank=CAP, calibrate=False)
         stats = trainer.train_step(_batch(lens, _vocab(name)), strategy=strategy)

@@ -111,8 +111,9 @@ def _bf16(rank, world):
     from hcompile.models import init_weights_
 
     out = []
+    compiled = hcompile.compile(init_weights_(Llama(CFG), seed=3), buckets=BUCKETS)  # a trainer per config
     for param_dtype, reduce_dtype in CONFIGS:
-        trainer = hcompile.compile(init_weights_(Llama(CFG), seed=3), buckets=BUCKETS).trainer(
+        trainer = compiled.trainer(
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=["1x(tp2)+2x(tp1)"],
             tokens_per_rank=24, calibrate=False, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         stats = [trainer.train_step(batch, strategy="1x(tp2)+2x(tp1)") for batch in _batches()]

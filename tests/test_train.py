@@ -36,14 +36,15 @@ def _train(rank, world, name, lr):
     import hcompile
 
     model, cfg = make(name)
-    trainer = hcompile.compile(model).trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
+    compiled = hcompile.compile(model)  # both trainers start from the model's weights: training leaves it as it is
+    trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
                                strategies=STRATEGIES, tokens_per_rank=64)
     out = []
     data = batches(cfg.vocab)
     for strategy, batch in zip(STRATEGIES, data):
         stats = trainer.train_step(batch, strategy=strategy)
         out.append((stats.loss, stats.strategy, stats.compilations, trainer.full_state_dict()))
-    adam = hcompile.compile(make(name)[0]).trainer(loss="causal_lm", optimizer=torch.optim.AdamW,
+    adam = compiled.trainer(loss="causal_lm", optimizer=torch.optim.AdamW,
                             optimizer_kwargs={"lr": 1e-2}, strategies=STRATEGIES, tokens_per_rank=64)
     adam_losses = [adam.train_step(batch, strategy=s).loss for s, batch in zip(STRATEGIES, data)]
     return out, adam_losses

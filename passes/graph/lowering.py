@@ -150,11 +150,11 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
         if "val" not in next(iter(gm.graph.nodes)).meta:
             propagate_vals(gm)
         tensor_parallel = decide_tensor_parallel(gm, scheme.tp, tp_rank, vocab_parallel=vocab_parallel)
-    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group)
-    gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass, rewrite_context_parallel_pass],
-                       ctx)
     pipeline = None
-    if scheme.pp > 1:
+    if scheme.pp > 1:  # the cut is decided on the rewritten graph; without one, lower_graph below rewrites it
+        ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group)
+        gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass,
+                                rewrite_context_parallel_pass], ctx)
         pipeline = decide_pipeline_split(gm, scheme.pp, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
     lowered = lower_graph(analysed, scheme, tp_rank=tp_rank, tp_group=tp_group, attention_kernel=attention_kernel,
                           tensor_parallel=tensor_parallel, pipeline=pipeline, cp_rank=cp_rank, cp_group=cp_group)
