@@ -161,9 +161,7 @@ def rank_main(rank: int, world: int, job: RankJob) -> dict | None:
         from runtime.link_probe import probe_links
 
         probe = probe_links()
-        job = dataclasses.replace(job, links=Links(gpus_per_node=world, intra_gbps=probe.gbps,
-                                                   inter_gbps=probe.gbps, latency_us=probe.latency_us,
-                                                   fresh_gbps=probe.fresh_gbps))
+        job = dataclasses.replace(job, links=probe.host_links(world))
     states = {policy: _setup_policy(job, compiled, policy) for policy in job.policies}
     for i in range(len(data)):  # policies interleaved step by step, so that background load hits them alike
         for k, state in enumerate(states.values()):

@@ -190,7 +190,6 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
     from hcompile.models import Llama
     from passes.graph.variant import TokenBuckets
     from passes.plan.ir import Strategy
-    from passes.plan.links import Links
     from passes.plan.movement import movement_time
     from runtime.link_probe import probe_links
 
@@ -201,8 +200,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
         tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02))
     layout, executor = trainer.layout, trainer.executor
     probe = probe_links()
-    links = Links(gpus_per_node=trainer.cost_model.gpus_per_node, intra_gbps=probe.gbps, inter_gbps=probe.gbps,
-                  latency_us=probe.latency_us, fresh_gbps=probe.fresh_gbps)
+    links = probe.host_links(world)
     parsed = [Strategy.parse(s) for s in strategies]
     compute = compute_layout(trainer.lowerings, layout, sorted({s for p in parsed for s in p.schemes}))
     rows = []
@@ -301,8 +299,8 @@ def movement_times(rows: list[dict]) -> list[dict]:
 def format_movement(summary: dict) -> str:
     """The time table: per strategy, predicted against measured."""
     links = summary["links"]
-    lines = [f"links probed: {links['gbps']:.3f} GB/s one way, {links['latency_us']:.0f} us per message, new "
-             f"memory written at {links['fresh_gbps']:.3f} GB/s",
+    lines = [f"links probed: {links['gbps']:.3f} GB/s one way every rank at once ({links['pair_gbps']:.3f} one pair "
+             f"alone), {links['latency_us']:.0f} us per message, new memory written at {links['fresh_gbps']:.3f} GB/s",
              f"{'strategy':<13}{'pull pred':>10}{'meas':>8}{'push pred':>10}{'meas':>8}{'move pred':>10}"
              f"{'meas':>8}{'pred/meas':>10}"]
     for m in summary["movement_time"]:

@@ -4,9 +4,11 @@ Owns :func:`probe_links` (collective): every rank sends a message of n bytes to 
 rank - d at once, for every d, as ``runtime.redistribute`` moves parameters and gradients, timed per round for a
 few sizes; a least-squares line ``round = latency + n / bandwidth`` over the sizes gives the latency per message
 and the bandwidth one way. The busiest rank's time counts (a round ends when its slowest pair does). It also
-times how fast every rank at once writes freshly allocated memory (a zeroed buffer of the largest size): the
+times how fast every rank at once writes freshly allocated memory (a zeroed buffer of 64 MiB): the
 movement phases' own buffers (the compute copy, its gradient, the receive chunks) are new each step, and on a
-CPU their first touch costs about as much as the transfer. What it measures is whatever the backend uses between
+CPU their first touch costs about as much as the transfer. And it times one pair alone (ranks 0 and 1 exchanging
+while the others wait): where ranks share a host's cores, a transfer runs faster when fewer run beside it. What it
+measures is whatever the backend uses between
 these ranks: gloo over local sockets on a CPU machine, NCCL over NVLink between the GPUs of one node.
 """
 
@@ -19,12 +21,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from passes.plan.links import Links
 from runtime import distributed as comm
 
 __all__ = ["LinkProbe", "probe_links", "DEFAULT_PROBE_BYTES"]
 
 DEFAULT_PROBE_BYTES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
 """Message sizes probed: 64 KiB to 16 MiB."""
+FRESH_PROBE_BYTES = 1 << 26
+"""Size of the freshly allocated buffer the probe writes: 64 MiB, above the C allocator's largest threshold for
+serving a block from memory it already holds (32 MiB), so every repeat writes new pages, as the movement's
+buffers of a model of any size do (a smaller buffer is served from reused memory after the first repeat, and
+its rate is that of warm memory)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,11 +45,21 @@ class LinkProbe:
     """Start-up of one message, microseconds (0 when the fit's intercept is negative)."""
     fresh_gbps: float
     """GB/s at which every rank at once writes newly allocated memory (the busiest rank's median)."""
+    pair_gbps: float
+    """Bandwidth one way, GB/s, of one pair exchanging while every other rank waits."""
     round_ms: tuple[tuple[int, float], ...]
     """(message bytes, median ms of one round on the busiest rank) per size."""
 
+    def host_links(self, world: int) -> Links:
+        """The links of ``world`` ranks sharing this host (the probe's ranks: gloo on one CPU machine): each
+        transfer at most the pair's speed, all at once sharing ``world`` times the every-rank speed, the
+        probed latency and fresh-memory rate."""
+        return Links(gpus_per_node=world, intra_gbps=self.pair_gbps, inter_gbps=self.pair_gbps,
+                     latency_us=self.latency_us, fresh_gbps=self.fresh_gbps, host_gbps=world * self.gbps)
+
     def to_dict(self) -> dict:
         return {"gbps": self.gbps, "latency_us": self.latency_us, "fresh_gbps": self.fresh_gbps,
+                "pair_gbps": self.pair_gbps,
                 "round_ms": [[n, round(ms, 4)] for n, ms in self.round_ms]}
 
 
@@ -71,14 +89,41 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
                 times.append(elapsed)
         busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
         rows.append((nbytes, float(busiest.item())))
-    fresh = _fresh_write_ms(max(sizes), repeats, device)
+    fresh = _fresh_write_ms(FRESH_PROBE_BYTES, repeats, device)
+    slope, intercept = _fit(rows)
+    pair_slope, _ = _fit([(nbytes, _pair_round_ms(nbytes, repeats, device)) for nbytes in sizes])
+    return LinkProbe(gbps=float(1 / (slope * 1e6)), latency_us=max(0.0, float(intercept) * 1e3),
+                     fresh_gbps=FRESH_PROBE_BYTES / (fresh * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
+                     round_ms=tuple(rows))
+
+
+def _fit(rows: list[tuple[int, float]]) -> tuple[float, float]:
+    """(ms per byte, ms) of the least-squares line through (bytes, ms)."""
     n = np.array([r[0] for r in rows], dtype=np.float64)
     ms = np.array([r[1] for r in rows])
     slope, intercept = np.polyfit(n, ms, 1)
     if slope <= 0:
         raise RuntimeError(f"the round times {rows} do not grow with the message size: no bandwidth to fit")
-    return LinkProbe(gbps=float(1 / (slope * 1e6)), latency_us=max(0.0, float(intercept) * 1e3),
-                     fresh_gbps=max(sizes) / (fresh * 1e6), round_ms=tuple(rows))
+    return float(slope), float(intercept)
+
+
+def _pair_round_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
+    """The median ms of ranks 0 and 1 exchanging ``nbytes`` each way while every other rank waits (collective)."""
+    rank = comm.rank()
+    out = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    into = torch.empty_like(out)
+    times = []
+    for i in range(repeats + 1):
+        comm.barrier()
+        started = time.perf_counter()
+        if rank < 2:
+            comm.exchange([(out, 1 - rank)], [(into, 1 - rank)])
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+        if i:
+            times.append((time.perf_counter() - started) * 1e3)
+    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
+    return float(busiest.item())
 
 
 def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:

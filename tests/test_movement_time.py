@@ -23,6 +23,7 @@ from passes.plan.movement import (
     movement_bytes,
     movement_time,
     pair_elements,
+    shared_transfer_ms,
 )
 from passes.plan.policies import POLICIES, Planner, homogeneous_strategies
 
@@ -81,6 +82,28 @@ def test_two_ranks_by_hand():
     fresh = movement_time(layout, strategy, Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=0,
                                                    fresh_gbps=1), chunk_numel=1 << 40)
     assert (fresh.pull_ms, fresh.push_ms) == pytest.approx((2000.0 + 8000.0, 4000.0 + 8000.0))
+
+
+def test_transfers_sharing_a_host_by_hand():
+    # 3 GB/s shared, each transfer at most 2 GB/s: 1, 2 and 4 MB start together; 1 GB/s each until the 1 MB one
+    # ends (1 ms), then 1.5 GB/s each: the 2 MB one ends at 1 + 1/1.5 ms, then the 4 MB one alone at 2 GB/s
+    got = shared_transfer_ms(np.array([1e6, 2e6, 0.0, 4e6]), np.array([2.0, 2.0, 2.0, 2.0]), 3.0)
+    t2 = 1 + 1 / 1.5
+    assert got.tolist() == pytest.approx([1.0, t2, 0.0, t2 + (4e6 - 1e6 - 1.5e6 / 1.5) / 2e6])
+    # two ranks: a pair exchanging alone runs at the pair's speed, however much the host could carry
+    layout = ComputeLayout(numel=2_000_000_000, ranges={(ParallelScheme(), 0, 0): ((0, 2_000_000_000),)})
+    host = Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=0, host_gbps=100)
+    alone = movement_time(layout, Strategy.parse("2x(tp1)"), host, chunk_numel=1 << 40)
+    assert (alone.pull_ms, alone.push_ms) == pytest.approx((2000.0, 4000.0))
+    # four ranks all sending at once share it: 4 transfers of a 1 GB/s host take 4 times as long each
+    four = ComputeLayout(numel=4_000_000, ranges={(ParallelScheme(), 0, 0): ((0, 4_000_000),)})
+    own = Links(gpus_per_node=4, intra_gbps=1, inter_gbps=1, latency_us=0)
+    shared = Links(gpus_per_node=4, intra_gbps=1, inter_gbps=1, latency_us=0, host_gbps=1)
+    t_own = movement_time(four, Strategy.parse("4x(tp1)"), own, chunk_numel=1 << 40)
+    t_shared = movement_time(four, Strategy.parse("4x(tp1)"), shared, chunk_numel=1 << 40)
+    assert t_shared.pull_ms == pytest.approx(4 * t_own.pull_ms) and t_shared.push_ms == pytest.approx(4 * t_own.push_ms)
+    with pytest.raises(PlanError, match="host_gbps"):
+        Links(gpus_per_node=4, intra_gbps=1, inter_gbps=1, latency_us=0, host_gbps=0)
 
 
 def _llama(schemes):
@@ -192,6 +215,8 @@ def test_profile_links_parsed_and_checked():
     parsed = Profile.from_dict(data, name="measured")
     assert parsed.links == Links(gpus_per_node=profile.gpus_per_node, intra_gbps=3.5, inter_gbps=3.5,
                                  latency_us=80.0)
+    data["hardware"].update(host_gbps=6.0)
+    assert Profile.from_dict(data, name="cpu").links.host_gbps == 6.0  # ranks sharing one host's cores
     del data["hardware"]["latency_us"]
     with pytest.raises(PlanError, match="without latency_us"):
         Profile.from_dict(data, name="half")

@@ -34,6 +34,10 @@ class Links:
     fresh_gbps: float | None = None
     """GB/s at which a rank writes newly allocated memory (the movement phases' buffers are new each step);
     None: not counted (on GPUs the caching allocator reuses them and HBM writes them in microseconds)."""
+    host_gbps: float | None = None
+    """GB/s that all the transfers running at once share, where the ranks share one host's cores (local CPU
+    ranks: a transfer is a copy by the ranks' own threads), each transfer still at most its link's speed;
+    None: every link carries its own (GPUs, whose copy engines and ports do not share)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -45,10 +49,11 @@ class Links:
         value = self.latency_us
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise PlanError(f"latency_us must be a finite number >= 0, got {value!r}")
-        value = self.fresh_gbps
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
-            raise PlanError(f"fresh_gbps must be None or a finite number > 0 (GB/s), got {value!r}")
+        for name in ("fresh_gbps", "host_gbps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise PlanError(f"{name} must be None or a finite number > 0 (GB/s), got {value!r}")
 
     def fresh_ms(self, nbytes: float) -> float:
         """Milliseconds to write ``nbytes`` of newly allocated memory (0 when not counted)."""
@@ -63,7 +68,10 @@ class Links:
         """The JSON form (a profile's ``hardware`` entries)."""
         out = {"gpus_per_node": self.gpus_per_node, "intra_gbps": self.intra_gbps, "inter_gbps": self.inter_gbps,
                "latency_us": self.latency_us}
-        return out if self.fresh_gbps is None else {**out, "fresh_gbps": self.fresh_gbps}
+        for name in ("fresh_gbps", "host_gbps"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 _HDR_GBPS = 200 / 8

@@ -29,8 +29,8 @@ from passes.plan.links import Links
 from passes.plan.placement import assign_ranks
 
 __all__ = ["compute_scheme", "ComputeLayout", "RankMovement", "movement_bytes", "merged", "places",
-           "llama_compute_layout", "pair_elements", "MovementTime", "movement_time", "MovementCost",
-           "DEFAULT_CHUNK_NUMEL"]
+           "shared_transfer_ms", "llama_compute_layout", "pair_elements", "MovementTime", "movement_time",
+           "MovementCost", "DEFAULT_CHUNK_NUMEL"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
 """Elements of the runtime's largest single message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL``)."""
@@ -232,8 +232,13 @@ def _rounds_ready(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes:
     dst = (rank + shift) % world  # [d - 1, r]: whom r sends to in round d
     src = (rank - shift) % world
     n = sends[rank, dst]
-    per_byte_ms = np.where(node[dst] == node, 1 / (links.intra_gbps * 1e6), 1 / (links.inter_gbps * 1e6))
-    cost = links.latency_us * 1e-3 * np.ceil(n / chunk_numel) + n * elem_bytes * per_byte_ms
+    gbps = np.where(node[dst] == node, links.intra_gbps, links.inter_gbps)
+    if links.host_gbps is None:
+        transfer = n * elem_bytes / (gbps * 1e6)
+    else:
+        transfer = np.stack([shared_transfer_ms(n[d] * elem_bytes, gbps[d], links.host_gbps)
+                             for d in range(world - 1)])
+    cost = links.latency_us * 1e-3 * np.ceil(n / chunk_numel) + transfer
     cost[n == 0] = -np.inf  # no message: the round waits for nothing on that side
     ready = np.zeros(world)
     for d in range(world - 1):
@@ -242,13 +247,33 @@ def _rounds_ready(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes:
     return ready
 
 
+def shared_transfer_ms(nbytes: np.ndarray, gbps: np.ndarray, host_gbps: float) -> np.ndarray:
+    """Milliseconds each of a round's transfers takes (``nbytes`` each, 0: none) when they start together and
+    share ``host_gbps``: while k of them run, each moves at ``min(its link's gbps, host_gbps / k)``."""
+    left = np.asarray(nbytes, dtype=np.float64).copy()
+    done = np.zeros_like(left)
+    active = left > 0
+    now = 0.0
+    while active.any():
+        rate = np.minimum(gbps[active], host_gbps / active.sum()) * 1e6  # bytes per ms
+        step = float((left[active] / rate).min())
+        now += step
+        left[active] -= rate * step
+        finished = active.copy()
+        finished[active] = left[active] <= 1e-9 * np.maximum(1.0, nbytes[active])
+        done[finished] = now
+        active &= ~finished
+    return done
+
+
 def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, param_bytes: int = 2,
                   reduce_bytes: int = 4, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
                   columns: dict[tuple[Place, int], np.ndarray] | None = None) -> MovementTime:
     """The pull and push of ``strategy`` on ``links`` (ranks ``n * gpus_per_node ..`` on node n). With
-    ``links.fresh_gbps``, each rank also writes its phases' new buffers at that rate: in the pull its compute
-    copy and the zeroed gradient buffer (in the compute dtype), in the push the zeroed fp32 shard gradient and
-    the chunks it receives."""
+    ``links.host_gbps`` a round's transfers share it (:func:`shared_transfer_ms`). With ``links.fresh_gbps``,
+    each rank also writes its phases' new buffers at that rate: in the pull its compute copy and the zeroed
+    gradient buffer (in the compute dtype), in the push the zeroed fp32 shard gradient and the chunks it
+    receives."""
     if chunk_numel < 1:
         raise PlanError(f"chunk_numel must be positive, got {chunk_numel!r}")
     elements = pair_elements(layout, strategy, links.gpus_per_node, columns)
