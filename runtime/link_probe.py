@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,26 +73,19 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
         raise ValueError("probing links needs at least two ranks")
     if len(sizes) < 2 or any(n < 4 or n % 4 for n in sizes):
         raise ValueError(f"need two or more message sizes, positive multiples of 4 bytes, got {sizes!r}")
-    rows = []
-    for nbytes in sizes:
-        out = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        into = torch.empty_like(out)
-        times = []
-        for i in range(repeats + 1):
-            comm.barrier()
-            started = time.perf_counter()
-            for d in range(1, world):
-                comm.exchange([(out, (rank + d) % world)], [(into, (rank - d) % world)])
-            if device != "cpu" and torch.device(device).type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = (time.perf_counter() - started) * 1e3 / (world - 1)
-            if i:
-                times.append(elapsed)
-        busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
-        rows.append((nbytes, float(busiest.item())))
+
+    def all_rounds(out: torch.Tensor, into: torch.Tensor) -> None:
+        for d in range(1, world):
+            comm.exchange([(out, (rank + d) % world)], [(into, (rank - d) % world)])
+
+    def pair_alone(out: torch.Tensor, into: torch.Tensor) -> None:
+        if rank < 2:
+            comm.exchange([(out, 1 - rank)], [(into, 1 - rank)])
+
+    rows = [(nbytes, _busiest_median_ms(nbytes, repeats, device, all_rounds) / (world - 1)) for nbytes in sizes]
     fresh = _fresh_write_ms(FRESH_PROBE_BYTES, repeats, device)
     slope, intercept = _fit(rows)
-    pair_slope, _ = _fit([(nbytes, _pair_round_ms(nbytes, repeats, device)) for nbytes in sizes])
+    pair_slope, _ = _fit([(nbytes, _busiest_median_ms(nbytes, repeats, device, pair_alone)) for nbytes in sizes])
     return LinkProbe(gbps=float(1 / (slope * 1e6)), latency_us=max(0.0, float(intercept) * 1e3),
                      fresh_gbps=FRESH_PROBE_BYTES / (fresh * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
                      round_ms=tuple(rows))
@@ -107,19 +101,19 @@ def _fit(rows: list[tuple[int, float]]) -> tuple[float, float]:
     return float(slope), float(intercept)
 
 
-def _pair_round_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
-    """The median ms of ranks 0 and 1 exchanging ``nbytes`` each way while every other rank waits (collective)."""
-    rank = comm.rank()
+def _busiest_median_ms(nbytes: int, repeats: int, device: torch.device | str,
+                       move: Callable[[torch.Tensor, torch.Tensor], None]) -> float:
+    """The busiest rank's median ms of ``move(out, into)`` on ``nbytes`` messages, every rank starting together
+    after a barrier, ``repeats`` times after one warm-up (collective)."""
     out = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     into = torch.empty_like(out)
     times = []
     for i in range(repeats + 1):
         comm.barrier()
         started = time.perf_counter()
-        if rank < 2:
-            comm.exchange([(out, 1 - rank)], [(into, 1 - rank)])
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize(device)
+        move(out, into)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
         if i:
             times.append((time.perf_counter() - started) * 1e3)
     busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
