@@ -15,8 +15,9 @@ def test_json_summary_has_every_field(capsys):
     assert main(["plan", *FAST, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("model", "hardware", "gpus", "dataset", "global_tokens", "steps", "seed", "memory_model",
-                "max_tokens", "pool", "lower_bound_ms_mean", "policies", "per_step"):
+                "max_tokens", "pool", "lower_bound_ms_mean", "any_schedule_bound_ms_mean", "policies", "per_step"):
         assert key in out
+    assert out["any_schedule_bound_ms_mean"] <= out["lower_bound_ms_mean"]
     assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 41728
     assert out["movement"] == {"charged": True, "param_bytes": 2, "reduce_bytes": 4,
                                "floor_ms": out["movement"]["floor_ms"],

@@ -151,6 +151,21 @@ def test_dynamic_cp_gives_each_sequence_its_cp_size(long_context_job):
             plan.position_of(0)
 
 
+def test_every_plan_regrouped_or_not_is_above_the_any_schedule_bound(long_context_job):
+    """The area and latency bounds hold for dynamic-cp's regrouped plans too; the one-strategy bound may not."""
+    report, plans = long_context_job
+    steps = len(report.bounds)
+    per_step = [[p for p in plans[k * len(report.results):(k + 1) * len(report.results)]] for k in range(steps)]
+    for bounds, step_plans in zip(report.bounds, per_step):
+        floor = report.movement_floor_ms
+        assert bounds.any_schedule <= bounds.best
+        for plan in step_plans:
+            assert plan.est_step_ms >= (bounds.any_schedule + floor) * (1 - 1e-9), plan.policy
+    out = report.to_json()
+    assert out["any_schedule_bound_ms_mean"] == pytest.approx(report.any_schedule_bound_ms, abs=1e-3)
+    assert out["any_schedule_bound_ms_mean"] <= out["lower_bound_ms_mean"]
+
+
 def test_plan_json_carries_the_cp_baselines(long_context_job):
     report, _ = long_context_job
     out = report.to_json()

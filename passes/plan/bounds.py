@@ -17,7 +17,9 @@ times ``t_j = work_j + c``: its time is ``sum_j t_j + (pp - 1) max_j t_j``, with
   idle for all of M, and the short sequences they take instead of cheaper schemes are counted at their best
   ratio (a fractional knapsack). The bound is the least M at which the rest fits.
 
-``lower_bound_ms`` is the largest; ``bound_terms`` gives each (for diagnostics). Each is checked against
+``area`` and ``latency`` hold for every schedule, also one that regroups ranks within the step
+(``Bounds.any_schedule``); ``pipeline`` and ``long`` hold for plans with one strategy per step, the plans the
+runtime runs. ``lower_bound_ms`` is the largest; ``bound_terms`` gives each (for diagnostics). Each is checked against
 exhaustive optima of small instances in ``tests/test_bounds.py``.
 """
 
@@ -54,6 +56,13 @@ class Bounds:
     def best(self) -> float:
         """The tightest: the step's lower bound."""
         return max(self.area, self.latency, self.pipeline, self.long)
+
+    @property
+    def any_schedule(self) -> float:
+        """The area and latency bounds only: these two hold for any schedule of the batch, also one whose ranks
+        regroup within the step (``dynamic-cp``'s), where ``pipeline`` and ``long`` assume one strategy for the
+        whole step."""
+        return max(self.area, self.latency)
 
     @property
     def binding(self) -> str:
