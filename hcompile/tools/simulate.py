@@ -111,6 +111,9 @@ class PolicyResult:
     moved_bytes: tuple[int, ...] = ()
     """Per step, the busiest rank's parameter and gradient bytes (received and sent) under this runtime's fixed
     layout (``passes.plan.movement``); empty when the profile does not give the model's heads and FFN width."""
+    median_moved_bytes: tuple[int, ...] = ()
+    """Per step, the median rank's bytes as ``moved_bytes`` counts them: far below the busiest where owners of
+    replicated parameters are a hot spot."""
     move_ms: tuple[float, ...] = ()
     """Per step, the exposed movement of the step's strategy (in ``est_step_ms`` when the job charges it)."""
 
@@ -198,7 +201,8 @@ class PlanReport:
                 name: {
                     "est_step_ms_mean": round(r.est_step_ms_mean, 3),
                     **({"est_comm_ms_mean": round(float(np.mean(r.move_ms)), 3)} if r.move_ms else {}),
-                    **({"bytes_per_rank_max": int(np.mean(r.moved_bytes))} if r.moved_bytes else {}),
+                    **({"bytes_per_rank_max": int(np.mean(r.moved_bytes)),
+                        "bytes_per_rank_median": int(np.mean(r.median_moved_bytes))} if r.moved_bytes else {}),
                     "tokens_per_s": round(r.tokens_per_s, 3),
                     "solve_ms_p50": round(float(np.percentile(r.solve_ms, 50)), 3),
                     "solve_ms_p95": round(float(np.percentile(r.solve_ms, 95)), 3),
@@ -310,15 +314,16 @@ def movement_cost(profile: Profile, hardware: str, cost_model: CostModel) -> Mov
     return MovementCost(layout, links, param_bytes=2, reduce_bytes=4)
 
 
-def _busiest_bytes(movement: MovementCost, gpus_per_node: int) -> Callable[[Strategy], int]:
-    """``moved(strategy)``: the busiest rank's bytes per step (received and sent)."""
-    cache: dict[Strategy, int] = {}
+def _rank_bytes(movement: MovementCost, gpus_per_node: int) -> Callable[[Strategy], tuple[int, int]]:
+    """``moved(strategy)``: the busiest rank's and the median rank's bytes per step (received and sent)."""
+    cache: dict[Strategy, tuple[int, int]] = {}
 
-    def moved(strategy: Strategy) -> int:
+    def moved(strategy: Strategy) -> tuple[int, int]:
         if strategy not in cache:
             ranks = movement_bytes(movement.layout, strategy, gpus_per_node, param_bytes=movement.param_bytes,
                                    reduce_bytes=movement.reduce_bytes)
-            cache[strategy] = max(r.total for r in ranks)
+            totals = [r.total for r in ranks]
+            cache[strategy] = (max(totals), int(np.median(totals)))
         return cache[strategy]
 
     return moved
@@ -333,7 +338,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     planner, dataset, batches = prepare(job, progress)
     policies = job.policies or (POLICIES + (CP_POLICIES if planner.cp_base is not None else ()))
     movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model)
-    moved = None if movement is None else _busiest_bytes(movement, planner.cost_model.gpus_per_node)
+    moved = None if movement is None else _rank_bytes(movement, planner.cost_model.gpus_per_node)
     plans: list[StepPlan] = []
     lines: list[str] = []
     per_policy: dict[str, list[StepPlan]] = {p: [] for p in policies}
@@ -354,7 +359,8 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
     results = {
         name: PolicyResult(est_step_ms=tuple(p.est_step_ms for p in ps), solve_ms=tuple(p.solve_ms for p in ps),
                            tokens=sum(sum(p.seq_lens) for p in ps), diagnoses=tuple(diagnoses[name]),
-                           moved_bytes=tuple(moved(p.strategy) for p in ps) if moved is not None else (),
+                           moved_bytes=tuple(moved(p.strategy)[0] for p in ps) if moved is not None else (),
+                           median_moved_bytes=tuple(moved(p.strategy)[1] for p in ps) if moved is not None else (),
                            move_ms=(tuple(movement.exposed_ms(p.strategy) for p in ps) if movement is not None
                                     else ()))
         for name, ps in per_policy.items()
