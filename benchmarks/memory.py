@@ -254,7 +254,7 @@ def _full_vector_movement(layout, move) -> dict:
             full[a:b] += grads[pos:pos + b - a]
             pos += b - a
         full = comm.all_reduce(full)
-        shard_grad = full[layout.shard_lo:layout.shard_lo + shard].clone()
+        shard_grad = full[layout.rank * shard:(layout.rank + 1) * shard].clone()  # its size is what counts
         del full, grads, slices, shard_grad
     return {"before_received": (world - 1) * shard * 4 + (world - 1) * shard * 4,
             "before_sent": (world - 1) * shard * 4 + (world - 1) * shard * 4,

@@ -145,4 +145,4 @@ def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
                 lowering = lowerings.lowering(scheme, stage, tp_rank, group)
                 ranges[(scheme, stage, tp_rank)] = merged([r for sl in lowering.params
                                                            for r in layout.slice_ranges(sl)])
-    return ComputeLayout(numel=layout.numel, ranges=ranges)
+    return ComputeLayout(numel=layout.numel, ranges=ranges, regions=tuple(layout.regions))

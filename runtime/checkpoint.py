@@ -77,13 +77,15 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _pieces(layout: FixedLayout, lo: int, hi: int) -> list[tuple[str, int, int]]:
-    """(parameter, first, end) of the parameter elements (storage order) inside flat range [lo, hi)."""
+def _pieces(layout: FixedLayout, owner: int) -> list[tuple[str, int, int, int]]:
+    """(parameter, first, end, position in the owner's shard) of the parameter elements (storage order) that
+    rank ``owner`` holds."""
     out = []
-    for name, spec in layout.specs.items():
-        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-        if b > a:
-            out.append((name, a - spec.offset, b - spec.offset))
+    for lo, hi, pos in layout.owned(owner):
+        for name, spec in layout.specs.items():
+            a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+            if b > a:
+                out.append((name, a - spec.offset, b - spec.offset, pos + a - lo))
     return out
 
 
@@ -92,8 +94,8 @@ def _not_finite(layout: FixedLayout, values: torch.Tensor, what: str) -> str | N
     bad = (~torch.isfinite(values)).nonzero()
     if bad.numel() == 0:
         return None
-    at = layout.shard_lo + int(bad[0])
-    name = next((n for n, a, _ in _pieces(layout, at, at + 1)), "padding")
+    at = layout.flat_index(int(bad[0]))
+    name = "padding" if at is None else next(n for n, s in layout.specs.items() if s.offset <= at < s.offset + s.numel)
     return f"{what} of {name!r} holds {values[int(bad[0])].item()} ({bad.numel()} non-finite values in this shard)"
 
 
@@ -165,7 +167,6 @@ def _write_rank_file(tmp: Path, layout: FixedLayout, optimizer: torch.optim.Opti
     """This rank's file (refused when a master weight or a per-element state is not finite): its checksum."""
     from safetensors.torch import save_file
 
-    lo = layout.shard_lo
     shard = layout.shard.detach().cpu()
     per_element, scalars = _optimizer_state(optimizer, layout.shard_numel)
     for what, values in (("the master weight", shard), *((f"optimizer state {k!r}", v.detach().cpu())
@@ -173,8 +174,7 @@ def _write_rank_file(tmp: Path, layout: FixedLayout, optimizer: torch.optim.Opti
         if (problem := _not_finite(layout, values, what)) is not None:
             raise CheckpointError(f"{problem}: not saved (the current version stays current)")
     tensors: dict[str, torch.Tensor] = {"rng": torch.get_rng_state()}
-    for name, a, b in _pieces(layout, lo, lo + layout.shard_numel):
-        start = layout.specs[name].offset + a - lo
+    for name, a, b, start in _pieces(layout, layout.rank):
         tensors[f"param/{name}/{a}"] = shard[start:start + b - a].clone()
         for key, value in per_element.items():
             tensors[f"{key}/{name}/{a}"] = value.detach().cpu()[start:start + b - a].clone()
@@ -217,8 +217,7 @@ def _write_meta(folder: Path, layout: FixedLayout, optimizer: torch.optim.Optimi
                 data_position: Any, extra: dict | None, files: dict) -> None:
     pieces: dict[str, list[list[int]]] = {name: [] for name in layout.specs}
     for rank in range(layout.world_size):
-        lo, hi = layout.owner_range(rank)
-        for name, a, b in _pieces(layout, lo, hi):
+        for name, a, b, _ in _pieces(layout, rank):
             pieces[name].append([rank, a, b])
     per_element, _ = _optimizer_state(optimizer, layout.shard_numel)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
@@ -257,7 +256,7 @@ def _read_meta(path: Path) -> tuple[Path, dict]:
 
 def _check_layout(meta: dict, layout: FixedLayout, optimizer: torch.optim.Optimizer, where: str) -> None:
     params = meta["params"]
-    if list(params) != list(layout.specs):
+    if set(params) != set(layout.specs):  # pieces are named, so a checkpoint of another flat order reads alike
         missing = sorted(set(layout.specs) - set(params))[:3]
         extra = sorted(set(params) - set(layout.specs))[:3]
         raise CheckpointError(f"checkpoint {where} holds other parameters (missing {missing}, unknown {extra})")
@@ -293,7 +292,6 @@ def _verified(folder: Path, meta: dict, rank: int) -> Any:
 def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
     """This rank's new shard, its per-element and scalar optimiser states, and its RNG state (or None), from
     files whose checksums match, with every value finite."""
-    lo = layout.shard_lo
     shard = torch.zeros(layout.shard_numel, dtype=torch.float32)
     states = {k: torch.zeros(layout.shard_numel, dtype=torch.float32) for k in meta["optimizer"]["per_element"]}
     files: dict[int, Any] = {}
@@ -303,12 +301,12 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
             files[rank] = _verified(folder, meta, rank)
         return files[rank]
 
-    for name, a, b in _pieces(layout, lo, lo + layout.shard_numel):
+    for name, a, b, start in _pieces(layout, layout.rank):
         for rank, pa, pb in meta["pieces"][name]:
             x, y = max(a, pa), min(b, pb)
             if y <= x:
                 continue
-            dst = layout.specs[name].offset + x - lo
+            dst = start + x - a
             shard[dst:dst + y - x] = opened(rank).get_slice(f"param/{name}/{pa}")[x - pa:y - pa]
             for key, value in states.items():
                 value[dst:dst + y - x] = opened(rank).get_slice(f"{key}/{name}/{pa}")[x - pa:y - pa]

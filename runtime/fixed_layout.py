@@ -1,13 +1,18 @@
 """The fixed optimiser layout: fp32 master parameters (and the optimiser state on them) in one flat vector,
-sharded ZeRO-1 style in equal contiguous ranges over all ranks for the whole run, whatever each step's
-strategy.
+sharded ZeRO-1 style over all ranks for the whole run, whatever each step's strategy.
 
-Owns the flat order. Parameters follow the model's order; each is stored with its tensor-parallel split dim
-outermost (a row-parallel weight (out, in), split along ``in``, is stored as its transpose), so that the
-slice any TP degree takes of it is one contiguous range per block (:meth:`FixedLayout.slice_ranges`). The
-shard is filled one parameter at a time, from the model's tensors, from a deterministic per-parameter
-initialiser, or from a state dict streamed from rank 0: no rank ever holds a tensor of the full parameter
-count, except :meth:`FixedLayout.full_state_dict`, which gathers everything on purpose.
+Owns the flat order and who owns what. The parameters that tensor parallelism never splits (embeddings, norms,
+a head it does not split: every TP rank computes with them whole) come first, then the split ones, each group
+in the model's order; each parameter is stored with its tensor-parallel split dim outermost (a row-parallel
+weight (out, in), split along ``in``, is stored as its transpose), so that the slice any TP degree takes of
+it is one contiguous range per block (:meth:`FixedLayout.slice_ranges`). The two groups are the layout's
+regions, and every rank owns an equal contiguous share of each (:meth:`FixedLayout.owned`): a replicated
+parameter that every rank pulls is spread over all owners instead of sitting on the few whose one contiguous
+shard would hold it (the hot spot of equal contiguous shards of the whole vector). A rank's shard is its
+shares, one after the other. The shard is filled one parameter at a time, from the model's tensors, from a
+deterministic per-parameter initialiser, or from a state dict streamed from rank 0: no rank ever holds a
+tensor of the full parameter count, except :meth:`FixedLayout.full_state_dict`, which gathers everything on
+purpose.
 """
 
 from __future__ import annotations
@@ -22,10 +27,20 @@ from torch import nn
 from passes.graph.tensor_parallel import ParamSlice
 from runtime import distributed as comm
 
-__all__ = ["ParamSpec", "FixedLayout", "Init", "fill_layout"]
+__all__ = ["ParamSpec", "FixedLayout", "Init", "fill_layout", "intersect"]
 
 Init = Callable[[str, torch.Tensor], None]
 """Fills the full fp32 tensor of one named parameter in place; must give every rank the same values."""
+
+
+def intersect(ranges: Iterable[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of sorted ``ranges`` inside [lo, hi)."""
+    out = []
+    for a, b in ranges:
+        a, b = max(a, lo), min(b, hi)
+        if b > a:
+            out.append((a, b))
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,12 +81,14 @@ class ParamSpec:
 
 
 class FixedLayout:
-    """Parameters in a fixed flat order, fp32, sharded in equal contiguous ranges over ``world_size``."""
+    """Parameters in a fixed flat order, fp32, every rank owning an equal contiguous share of each region
+    (module docstring) of ``world_size``."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], rank: int, world_size: int,
                  device: torch.device | str = "cpu", split_dims: Mapping[str, int] | None = None):
         """An all-zero shard; fill it with :meth:`fill_from`, :meth:`initialise` or :meth:`stream_from_rank0`.
-        ``split_dims``: per parameter, the dim tensor parallelism splits (stored outermost)."""
+        ``split_dims``: per parameter, the dim tensor parallelism splits (stored outermost); the parameters
+        without one come first in the flat order."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         split_dims = dict(split_dims or {})
@@ -80,18 +97,25 @@ class FixedLayout:
             raise KeyError(f"split dims given for unknown parameters {unknown}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.specs: dict[str, ParamSpec] = {}
+        """Every parameter, in flat order."""
         total = 0
-        for name, shape in shapes.items():
-            dim = split_dims.get(name)
-            if dim is not None and not 0 <= dim < len(shape):
-                raise ValueError(f"split dim {dim!r} of {name!r} is not a dim of its shape {tuple(shape)}")
-            self.specs[name] = ParamSpec(name=name, shape=tuple(shape), split_dim=dim or None, offset=total)
-            total += math.prod(shape)
+        bounds = [0]
+        for group in ([n for n in shapes if n not in split_dims], [n for n in shapes if n in split_dims]):
+            for name in group:
+                shape = shapes[name]
+                dim = split_dims.get(name)
+                if dim is not None and not 0 <= dim < len(shape):
+                    raise ValueError(f"split dim {dim!r} of {name!r} is not a dim of its shape {tuple(shape)}")
+                self.specs[name] = ParamSpec(name=name, shape=tuple(shape), split_dim=dim or None, offset=total)
+                total += math.prod(shape)
+            bounds.append(total)
         self.numel = total
-        self.shard_numel = max(1, -(-total // world_size))
-        self.shard_lo = rank * self.shard_numel
-        """First flat element of this rank's shard (the shard ends ``shard_numel`` later; padding past
-        ``numel`` stays zero)."""
+        """Elements of all the parameters (the flat vector has no padding: the shards do)."""
+        self.regions = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, 0)]
+        """The flat ranges every rank owns an equal share of: the parameters TP never splits, then the others."""
+        self._share = [max(1, -(-(hi - lo) // world_size)) if hi > lo else 1 for lo, hi in self.regions]
+        self.shard_numel = sum(self._share)
+        """Elements of every rank's shard (its shares, each padded to the region's share; the padding is zero)."""
         self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device))
 
     @classmethod
@@ -107,9 +131,32 @@ class FixedLayout:
         """Every parameter's full shape, in flat order."""
         return {name: spec.shape for name, spec in self.specs.items()}
 
-    def owner_range(self, owner: int) -> tuple[int, int]:
-        """The flat range [lo, hi) that rank ``owner`` holds."""
-        return owner * self.shard_numel, (owner + 1) * self.shard_numel
+    def owned(self, owner: int) -> list[tuple[int, int, int]]:
+        """(flat lo, flat hi, position in the owner's shard) of each flat range rank ``owner`` holds, in flat
+        order: its share of each region (the last ranks' shares may be short or empty)."""
+        out, pos = [], 0
+        for (lo, hi), share in zip(self.regions, self._share):
+            a, b = min(hi, lo + owner * share), min(hi, lo + (owner + 1) * share)
+            if b > a:
+                out.append((a, b, pos))
+            pos += share
+        return out
+
+    def owner_ranges(self, owner: int) -> list[tuple[int, int]]:
+        """The flat ranges [lo, hi) that rank ``owner`` holds, in flat order."""
+        return [(a, b) for a, b, _ in self.owned(owner)]
+
+    def in_shard(self, ranges: Iterable[tuple[int, int]], owner: int) -> list[tuple[int, int]]:
+        """The parts of sorted flat ``ranges`` that rank ``owner`` holds, as ranges of its shard, in flat order."""
+        ranges = list(ranges)
+        return [(a - lo + pos, b - lo + pos) for lo, hi, pos in self.owned(owner) for a, b in intersect(ranges, lo, hi)]
+
+    def flat_index(self, position: int) -> int | None:
+        """The flat element at ``position`` of this rank's shard (None: padding)."""
+        for lo, hi, pos in self.owned(self.rank):
+            if pos <= position < pos + hi - lo:
+                return lo + position - pos
+        return None
 
     def slice_ranges(self, slc: ParamSlice) -> list[tuple[int, int]]:
         """The flat ranges [lo, hi) holding the elements of ``slc``, in flat order. In storage order a slice
@@ -131,17 +178,19 @@ class FixedLayout:
             raise KeyError(f"unknown parameter {name!r} (the layout holds {len(self.specs)} parameters)")
         return self.specs[name]
 
-    def _own_part(self, spec: ParamSpec) -> tuple[int, int] | None:
-        """(first element within the parameter, count) of the part of ``spec`` in this rank's shard."""
-        lo = max(spec.offset, self.shard_lo)
-        hi = min(spec.offset + spec.numel, self.shard_lo + self.shard_numel)
-        return (lo - spec.offset, hi - lo) if hi > lo else None
+    def _own_part(self, spec: ParamSpec) -> tuple[int, int, int] | None:
+        """(first element within the parameter, count, position in this rank's shard) of the part of ``spec``
+        this rank holds (a parameter lies in one region, so in at most one of the rank's ranges)."""
+        for lo, hi, pos in self.owned(self.rank):
+            a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+            if b > a:
+                return a - spec.offset, b - a, pos + a - lo
+        return None
 
     def _copy_own_part(self, spec: ParamSpec, full: torch.Tensor) -> None:
         part = self._own_part(spec)
         if part is not None:
-            start, count = part
-            dst = spec.offset + start - self.shard_lo
+            start, count, dst = part
             with torch.no_grad():
                 self.shard[dst:dst + count].copy_(spec.stored(full.detach()).view(-1)[start:start + count])
 
@@ -175,19 +224,18 @@ class FixedLayout:
             self.fill_from(state or {})  # checks names and shapes before anything is sent
         for name, spec in self.specs.items():
             for owner in range(1, self.world_size):
-                lo, hi = self.owner_range(owner)
-                lo, hi = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-                if hi <= lo:
-                    continue
-                if self.rank == 0:
-                    stored = spec.stored(state[name].detach().to(torch.float32)).view(-1)
-                    piece = stored[lo - spec.offset:hi - spec.offset]
-                    comm.send(piece, owner)
-                elif self.rank == owner:
-                    buf = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
-                    comm.recv(buf, 0)
-                    with torch.no_grad():
-                        self.shard[lo - self.shard_lo:hi - self.shard_lo].copy_(buf)
+                for lo, hi, pos in self.owned(owner):
+                    a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+                    if b <= a:
+                        continue
+                    if self.rank == 0:
+                        stored = spec.stored(state[name].detach().to(torch.float32)).view(-1)
+                        comm.send(stored[a - spec.offset:b - spec.offset].contiguous(), owner)
+                    elif self.rank == owner:
+                        buf = torch.empty(b - a, dtype=torch.float32, device=self.device)
+                        comm.recv(buf, 0)
+                        with torch.no_grad():
+                            self.shard[pos + a - lo:pos + b - lo].copy_(buf)
 
     def gather_to_rank0(self, name: str) -> torch.Tensor | None:
         """Collective: parameter ``name`` whole (fp32) on rank 0, from the parts its owners send; None on the
@@ -195,19 +243,19 @@ class FixedLayout:
         spec = self._spec(name)
         stored = torch.empty(spec.numel, dtype=torch.float32, device=self.device) if self.rank == 0 else None
         for owner in range(self.world_size):
-            lo, hi = self.owner_range(owner)
-            lo, hi = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-            if hi <= lo:
-                continue
-            piece = self.shard.detach()[lo - self.shard_lo:hi - self.shard_lo] if self.rank == owner else None
-            if self.rank == 0:
-                target = stored[lo - spec.offset:hi - spec.offset]
-                if owner == 0:
-                    target.copy_(piece)
-                else:
-                    comm.recv(target, owner)  # a contiguous slice of the buffer: received in place
-            elif self.rank == owner:
-                comm.send(piece, 0)
+            for lo, hi, pos in self.owned(owner):
+                a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+                if b <= a:
+                    continue
+                piece = self.shard.detach()[pos + a - lo:pos + b - lo] if self.rank == owner else None
+                if self.rank == 0:
+                    target = stored[a - spec.offset:b - spec.offset]
+                    if owner == 0:
+                        target.copy_(piece)
+                    else:
+                        comm.recv(target, owner)  # a contiguous slice of the buffer: received in place
+                elif self.rank == owner:
+                    comm.send(piece, 0)
         return None if stored is None else spec.unstore(stored, spec.shape).contiguous()
 
     def views(self, flat: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -221,8 +269,14 @@ class FixedLayout:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter under its original name, gathered from all shards (collective; the one call that
         holds the whole model on each rank)."""
-        flat = torch.empty(self.shard_numel * self.world_size, dtype=torch.float32, device=self.device)
-        comm.all_gather_into(flat, self.shard.detach())
+        shards = torch.empty(self.shard_numel * self.world_size, dtype=torch.float32, device=self.device)
+        comm.all_gather_into(shards, self.shard.detach())
+        flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        for owner in range(self.world_size):
+            base = owner * self.shard_numel
+            for lo, hi, pos in self.owned(owner):
+                flat[lo:hi] = shards[base + pos:base + pos + hi - lo]
+        del shards
         return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # contiguous, not a view
                 for name, t in self.views(flat).items()}
 

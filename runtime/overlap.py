@@ -1,7 +1,8 @@
 """Parameter and gradient movement overlapped with compute, window by window of the fixed layout.
 
 Owns :func:`layout_windows` (the fixed layout cut at parameter boundaries into windows of about equal size, the
-same on every rank), :class:`WindowedMovement` (one strategy's :class:`~runtime.redistribute.Redistribution`
+same on every rank, none across a boundary of the layout's regions, so that each owner holds at most one range
+of a window), :class:`WindowedMovement` (one strategy's :class:`~runtime.redistribute.Redistribution`
 per window: which segment of this rank's buffer each owner fills, which parts of this rank's shard each rank
 computes with), :class:`PullInFlight` (every window's pull posted at the start of the step, waited window by
 window: the executor waits for a window when the program's gate asks for a parameter in it, before a piece of
@@ -37,17 +38,23 @@ DEFAULT_WINDOWS = 8
 
 
 def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tuple[int, int]]:
-    """The flat vector (padding included) cut into at most ``count`` windows [lo, hi) at parameter boundaries,
-    each about ``numel / count`` elements (a parameter larger than that is one window)."""
+    """The flat vector cut into windows [lo, hi) at parameter boundaries, each about ``numel / count`` elements
+    (a parameter larger than that is one window), at most ``count`` of them plus one more where a window would
+    cross into the layout's next region (``FixedLayout.regions``: none does)."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"the number of movement windows must be a positive integer, got {count!r}")
     target = layout.numel / count
-    cuts = [0]
+    region_starts = {lo for lo, _ in layout.regions[1:]}
+    cuts, sized = [0], 1
     for spec in layout.specs.values():
-        if spec.offset - cuts[-1] >= target and len(cuts) < count:
+        if spec.offset <= cuts[-1]:
+            continue
+        if spec.offset in region_starts:
             cuts.append(spec.offset)
-    end = layout.shard_numel * layout.world_size
-    return [(lo, hi) for lo, hi in zip(cuts, [*cuts[1:], end]) if hi > lo]
+        elif spec.offset - cuts[-1] >= target and sized < count:
+            cuts.append(spec.offset)
+            sized += 1
+    return [(lo, hi) for lo, hi in zip(cuts, [*cuts[1:], layout.numel]) if hi > lo]
 
 
 class WindowedMovement:
@@ -58,7 +65,7 @@ class WindowedMovement:
         self.move, self.windows, self.chunk = move, windows, chunk_numel
         self.rank, self.world_size = move.rank, move.world_size
         mine = move.ranges
-        shard_lo, shard_hi = layout.owner_range(self.rank)
+        own = layout.owned(self.rank)
 
         def position(flat: int) -> int:
             """Where flat element ``flat`` (or the first needed one after it) sits in this rank's buffer."""
@@ -67,21 +74,26 @@ class WindowedMovement:
         self.spans: list[tuple[int, int]] = []
         """Per window: [start, end) of this rank's buffer that it covers."""
         self.fills: list[list[tuple[int, int, int]]] = []
-        """Per window: (owner, start, count) of each segment of this rank's buffer an owner fills."""
+        """Per window: (owner, start, count) of the segment of this rank's buffer each owner fills."""
         self.serves: list[list[tuple[int, Ranges]]] = []
         """Per window: (rank, ranges of this rank's shard in shard coordinates) that rank computes with."""
         for lo, hi in windows:
             self.spans.append((position(lo), position(hi)))
             fills = []
             for owner in range(self.world_size):
-                a, b = layout.owner_range(owner)
-                start, end = position(max(lo, a)), position(min(hi, b))
-                if min(hi, b) > max(lo, a) and end > start:
-                    fills.append((owner, start, end - start))
+                held = intersect(layout.owner_ranges(owner), lo, hi)
+                if len(held) > 1:
+                    raise ValueError(f"window [{lo}, {hi}) crosses a region of the layout: owner {owner} holds "
+                                     f"{held} of it (layout_windows never cuts so)")
+                for a, b in held:
+                    start, end = position(a), position(b)
+                    if end > start:
+                        fills.append((owner, start, end - start))
             self.fills.append(fills)
-            a, b = max(lo, shard_lo) - shard_lo, min(hi, shard_hi) - shard_lo
-            self.serves.append([(j, r) for j, need in enumerate(move.serves) if b > a
-                                for r in [intersect(need, a, b)] if r])
+            mine_here = [(pos + a - flo, pos + b - flo) for flo, fhi, pos in own
+                         for a, b in intersect([(flo, fhi)], lo, hi)]
+            self.serves.append([(j, r) for j, need in enumerate(move.serves) for sa, sb in mine_here
+                                for r in [intersect(need, sa, sb)] if r])
 
     def windows_of(self, params: StageParams) -> dict[str, int]:
         """The window of each of ``params``' parameters (by name)."""

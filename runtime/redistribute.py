@@ -1,18 +1,19 @@
 """Parameter and gradient movement between the fixed ZeRO-1 layout and the ranks' compute copies.
 
 Owns :class:`Redistribution`, the cached plan of one strategy: which flat ranges every rank computes with
-(its TP slice of its pipeline stage), intersected with the owners' shards. It is built once per strategy,
-collectively (every rank contributes its ranges), and then moves only those slices:
+(its TP slice of its pipeline stage), intersected with the owners' ranges (``FixedLayout.owned``: a share of
+each region of the layout). It is built once per strategy, collectively (every rank contributes its ranges),
+and then moves only those slices:
 
 - ``pull``: every owner sends each rank the part of its shard that rank needs, cast to the compute dtype;
   a rank receives straight into its :class:`~runtime.stage_params.StageParams` buffer (which holds its
-  ranges in flat order, so what comes from owner k is one contiguous segment of it);
-- ``push``: every rank sends each owner the segment of its gradient buffer that falls in that owner's shard,
-  in the reduction dtype; owners add what they receive into their shard's fp32 gradient.
+  ranges in flat order, so what comes from owner k is one contiguous segment of it per region);
+- ``push``: every rank sends each owner the segments of its gradient buffer that fall in that owner's
+  ranges, in the reduction dtype; owners add what they receive into their shard's fp32 gradient.
 
-Transfers go in rounds of pairs (round d: send to rank + d, receive from rank - d), each message in chunks
-of at most ``chunk_numel`` elements, so the only buffers besides the compute copy are one send and one
-receive chunk. Bytes are counted per direction.
+Transfers go in rounds of pairs (round d: send to rank + d, receive from rank - d), the pair's message (its
+segments one after the other) in chunks of at most ``chunk_numel`` elements, so the only buffers besides the
+compute copy are one send and one receive chunk. Bytes are counted per direction.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Iterator
 import torch
 
 from runtime import distributed as comm
-from runtime.fixed_layout import FixedLayout
+from runtime.fixed_layout import FixedLayout, intersect
 
-__all__ = ["Traffic", "Redistribution", "Ranges", "intersect", "pieces", "total", "gather_ranges",
+__all__ = ["Traffic", "Redistribution", "Ranges", "intersect", "pieces", "total", "zip_spans", "gather_ranges",
            "DEFAULT_CHUNK_NUMEL"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
@@ -54,16 +55,6 @@ class Traffic:
                        grads_received=self.grads_received + other.grads_received)
 
 
-def intersect(ranges: Ranges, lo: int, hi: int) -> Ranges:
-    """The parts of sorted ``ranges`` inside [lo, hi)."""
-    out = []
-    for a, b in ranges:
-        a, b = max(a, lo), min(b, hi)
-        if b > a:
-            out.append((a, b))
-    return out
-
-
 def pieces(ranges: Ranges, start: int, count: int) -> Iterator[tuple[int, int, int]]:
     """(position in the concatenation, range offset, length) covering elements [start, start + count) of the
     concatenation of ``ranges``."""
@@ -83,6 +74,14 @@ def total(ranges: Ranges) -> int:
     return sum(b - a for a, b in ranges)
 
 
+def zip_spans(first: Ranges, second: Ranges) -> Iterator[tuple[int, int, int]]:
+    """(offset in ``first``'s range, offset in ``second``'s range, length) of each run where the two
+    concatenations (of equal length) line up: element i of one is element i of the other."""
+    for pos, a, n in pieces(first, 0, total(first)):
+        for at, b, m in pieces(second, pos, n):
+            yield a + at - pos, b, m
+
+
 class Redistribution:
     """The movement plan of one strategy on this rank."""
 
@@ -93,20 +92,21 @@ class Redistribution:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel!r}")
         self.rank, self.world_size, self.chunk = layout.rank, layout.world_size, chunk_numel
-        lo, hi = layout.owner_range(self.rank)
         mine = needs[self.rank]
         self.ranges: Ranges = list(mine)
         """The flat ranges this rank computes with, in order."""
         self.numel = total(mine)
         """Elements this rank computes with."""
-        self.segments: list[tuple[int, int]] = []
-        """Per owner k: (start, count) of the segment of this rank's buffer that k's shard holds."""
-        start = 0
+        self.segments: list[Ranges] = []
+        """Per owner k: the segments [start, end) of this rank's buffer that k's ranges hold, in order."""
         for k in range(self.world_size):
-            count = total(intersect(mine, *layout.owner_range(k)))
-            self.segments.append((start, count))
-            start += count
-        self.serves: list[Ranges] = [[(a - lo, b - lo) for a, b in intersect(need, lo, hi)] for need in needs]
+            segments = []
+            for lo, hi in layout.owner_ranges(k):
+                start, count = total(intersect(mine, 0, lo)), total(intersect(mine, lo, hi))
+                if count:
+                    segments.append((start, start + count))
+            self.segments.append(segments)
+        self.serves: list[Ranges] = [layout.in_shard(need, self.rank) for need in needs]
         """Per rank j: the ranges of this rank's shard (shard coordinates) that j computes with, in order."""
 
     @classmethod
@@ -118,7 +118,7 @@ class Redistribution:
     @property
     def local_numel(self) -> int:
         """Elements this rank computes with that its own shard holds."""
-        return self.segments[self.rank][1]
+        return total(self.segments[self.rank])
 
     def served_numel(self) -> int:
         """Elements of this rank's shard that other ranks compute with (summed over them)."""
@@ -129,25 +129,32 @@ class Redistribution:
         if flat.numel() != self.numel:
             raise ValueError(f"the buffer has {flat.numel()} elements, this rank computes with {self.numel}")
         shard = layout.shard.detach()
-        start, count = self.segments[self.rank]
         with torch.no_grad():
-            for pos, off, n in pieces(self.serves[self.rank], 0, count):
-                flat[start + pos:start + pos + n].copy_(shard[off:off + n])
+            for at, off, n in zip_spans(self.segments[self.rank], self.serves[self.rank]):
+                flat[at:at + n].copy_(shard[off:off + n])
         size = flat.element_size()
         sent = received = 0
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            n_send, (r_start, n_recv) = total(self.serves[to]), self.segments[frm]
+            n_send, n_recv = total(self.serves[to]), total(self.segments[frm])
             for c in range(0, max(n_send, n_recv), self.chunk):
-                sends, recvs = [], []
+                sends, recvs, landing = [], [], None
                 if c < n_send:
                     n = min(self.chunk, n_send - c)
                     sends.append((gather_ranges(shard, self.serves[to], c, n, flat.dtype), to))
                     sent += n * size
                 if c < n_recv:
-                    recvs.append((flat[r_start + c:r_start + min(n_recv, c + self.chunk)], frm))
-                    received += min(self.chunk, n_recv - c) * size
+                    n = min(self.chunk, n_recv - c)
+                    spans = list(pieces(self.segments[frm], c, n))
+                    landing = None if len(spans) == 1 else (torch.empty(n, dtype=flat.dtype, device=flat.device),
+                                                            spans)
+                    recvs.append((flat[spans[0][1]:spans[0][1] + n] if landing is None else landing[0], frm))
+                    received += n * size
                 comm.exchange(sends, recvs)
+                if landing is not None:
+                    with torch.no_grad():
+                        for pos, at, n in landing[1]:
+                            flat[at:at + n].copy_(landing[0][pos - c:pos - c + n])
         return Traffic(params_received=received, params_sent=sent)
 
     def push(self, layout: FixedLayout, grads: torch.Tensor, reduce_dtype: torch.dtype = torch.float32) -> Traffic:
@@ -156,18 +163,17 @@ class Redistribution:
         if grads.numel() != self.numel:
             raise ValueError(f"the gradient buffer has {grads.numel()} elements, this rank computes with {self.numel}")
         shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.shard.device)
-        start, count = self.segments[self.rank]
-        for pos, off, n in pieces(self.serves[self.rank], 0, count):
-            shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
+        for at, off, n in zip_spans(self.segments[self.rank], self.serves[self.rank]):
+            shard_grad[off:off + n].add_(grads[at:at + n])
         size = torch.empty((), dtype=reduce_dtype).element_size()
         sent = received = 0
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            (s_start, n_send), n_recv = self.segments[to], total(self.serves[frm])
+            n_send, n_recv = total(self.segments[to]), total(self.serves[frm])
             for c in range(0, max(n_send, n_recv), self.chunk):
                 sends, recvs, buf = [], [], None
                 if c < n_send:
-                    piece = grads[s_start + c:s_start + min(n_send, c + self.chunk)].to(reduce_dtype)
+                    piece = gather_ranges(grads, self.segments[to], c, min(self.chunk, n_send - c), reduce_dtype)
                     sends.append((piece, to))
                     sent += piece.numel() * size
                 if c < n_recv:

@@ -184,6 +184,11 @@ def test_another_model_is_refused():
     meta["params"] = {"v": {"shape": [4, 2], "split_dim": None}}
     with pytest.raises(CheckpointError, match="missing \\['w'\\], unknown \\['v'\\]"):
         _check_layout(meta, layout, torch.optim.SGD([layout.shard], lr=0.1), "x")
+    # the same parameters in another flat order (a checkpoint of the layout before its regions): pieces are named
+    two = FixedLayout({"w": (4, 2), "n": (3,)}, 0, 1, split_dims={"w": 1})
+    assert list(two.specs) == ["n", "w"]
+    meta["params"] = {"w": {"shape": [4, 2], "split_dim": 1}, "n": {"shape": [3], "split_dim": None}}
+    _check_layout(meta, two, torch.optim.SGD([two.shard], lr=0.1), "x")
 
 
 # --- world-of-one checks of what save and load refuse, on a layout and optimiser of their own ---------------

@@ -1,5 +1,6 @@
-"""The fixed layout: flat order with split dims outermost, slice ranges, filling the shard one parameter at a
-time (from tensors, an initialiser, a rank-0 state dict), and the gathered state dict."""
+"""The fixed layout: flat order (parameters TP never splits first) with split dims outermost, every rank's
+share of each region, slice ranges, filling the shard one parameter at a time (from tensors, an initialiser, a
+rank-0 state dict), and the gathered state dict."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_offsets_and_storage_order():
     layout = FixedLayout(SHAPES, 0, 1, split_dims=DIMS)
-    assert [s.offset for s in layout.specs.values()] == [0, 24, 48, 53]
-    assert layout.numel == 71 and layout.shard_numel == 71
+    # the parameters TP never splits (emb, bias) first, then the split ones, each group in the model's order
+    assert {n: s.offset for n, s in layout.specs.items()} == {"emb": 0, "bias": 24, "row": 29, "col": 53}
+    assert list(layout.specs) == ["emb", "bias", "row", "col"]
+    assert layout.numel == 71 and layout.shard_numel == 71 and layout.regions == [(0, 29), (29, 71)]
+    assert [s.offset for s in FixedLayout(SHAPES, 0, 1).specs.values()] == [0, 24, 48, 53]  # no split: model order
     full = tensors()
     stored = layout.specs["row"].stored(full["row"])
     torch.testing.assert_close(stored, full["row"].t().contiguous())  # split dim 1 outermost
@@ -34,13 +38,38 @@ def test_offsets_and_storage_order():
 def test_slice_ranges_are_one_range_per_block_along_the_split_dim():
     layout = FixedLayout(SHAPES, 0, 1, split_dims=DIMS)
     row = ParamSlice(name="row", full_shape=(4, 6), dim=1, ranges=((3, 6),))  # columns 3..6 of (4, 6)
-    assert layout.slice_ranges(row) == [(24 + 3 * 4, 24 + 6 * 4)]  # stored (6, 4): rows 3..6
+    assert layout.slice_ranges(row) == [(29 + 3 * 4, 29 + 6 * 4)]  # stored (6, 4): rows 3..6
     col = ParamSlice(name="col", full_shape=(6, 3), dim=0, ranges=((0, 2), (4, 6)))
     assert layout.slice_ranges(col) == [(53, 59), (65, 71)]
     # a dim that is not stored outermost: one range per outer index
     emb = ParamSlice(name="emb", full_shape=(6, 4), dim=1, ranges=((1, 3),))
     assert layout.slice_ranges(emb) == [(o * 4 + 1, o * 4 + 3) for o in range(6)]
-    assert layout.slice_ranges(ParamSlice(name="bias", full_shape=(5,))) == [(48, 53)]
+    assert layout.slice_ranges(ParamSlice(name="bias", full_shape=(5,))) == [(24, 29)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_every_rank_owns_an_equal_share_of_each_region(world):
+    """Each region is cut into ``world`` contiguous shares (the last ones short or empty); the ranges of all
+    ranks cover the flat vector exactly once; a rank's shard is its shares one after the other."""
+    layouts = [FixedLayout(SHAPES, r, world, split_dims=DIMS) for r in range(world)]
+    covered = sorted(r for layout in layouts for r in layout.owner_ranges(layout.rank))
+    assert [a for a, _ in covered] == sorted({a for a, _ in covered})
+    assert sum(b - a for a, b in covered) == 71 and covered[0][0] == 0 and covered[-1][1] == 71
+    assert all(x[1] <= y[0] for x, y in zip(covered, covered[1:]))
+    for lo, hi in layouts[0].regions:  # every rank holds at most ceil(size / world) of each region
+        share = -(-(hi - lo) // world)
+        for layout in layouts:
+            held = sum(max(0, min(b, hi) - max(a, lo)) for a, b in layout.owner_ranges(layout.rank))
+            assert held <= share
+        assert layouts[0].owner_ranges(0)[0 if lo == 0 else -1] == (lo, lo + share)
+    shard_of = {r: layouts[r].owned(r) for r in range(world)}
+    for r, owned in shard_of.items():
+        assert owned == layouts[0].owned(r)  # every rank knows every owner's ranges alike
+        for (lo, hi, pos), nxt in zip(owned, owned[1:]):
+            assert nxt[2] >= pos + hi - lo
+    for r in range(world):  # everything, in the owner's shard coordinates: its shares one after the other
+        assert layouts[0].in_shard([(0, 71)], r) == [(pos, pos + hi - lo) for lo, hi, pos in shard_of[r]]
+    assert layouts[0].in_shard([(5, 6)], 0) == ([(5, 6)] if 5 < -(-29 // world) else [])
 
 
 def test_slice_ranges_select_exactly_the_slice_elements():
@@ -68,12 +97,19 @@ def test_shards_fill_from_tensors_or_an_initialiser_alike():
         b = FixedLayout(SHAPES, rank, 3, split_dims=DIMS)
         b.initialise(init)
         assert torch.equal(a.shard, b.shard)
-    # the shards together are the flat vector, padding zero
-    shards = [FixedLayout.from_tensors(full, r, 3, split_dims=DIMS).shard.detach() for r in range(3)]
-    flat = torch.cat(shards)
-    assert flat.numel() == 72 and float(flat[71]) == 0.0
+    # the shards' ranges together are the flat vector, padding zero
+    layouts = [FixedLayout.from_tensors(full, r, 3, split_dims=DIMS) for r in range(3)]
     whole = FixedLayout.from_tensors(full, 0, 1, split_dims=DIMS).shard.detach()
-    assert torch.equal(flat[:71], whole)
+    flat = torch.full((71,), float("nan"))
+    for layout in layouts:
+        shard = layout.shard.detach()
+        assert shard.numel() == 10 + 14  # ceil(29 / 3) + ceil(42 / 3)
+        used = torch.zeros(shard.numel(), dtype=torch.bool)
+        for lo, hi, pos in layout.owned(layout.rank):
+            flat[lo:hi] = shard[pos:pos + hi - lo]
+            used[pos:pos + hi - lo] = True
+        assert torch.all(shard[~used] == 0)
+    assert torch.equal(flat, whole)
 
 
 def test_bad_input_names_the_value():

@@ -72,6 +72,30 @@ def test_counting_on_a_hand_made_layout():
     assert [p[0].tp for p in places(Strategy.parse("1x(tp2)+2x(tp1)"), 4)] == [2, 2, 1, 1]
 
 
+def test_owners_hold_a_share_of_each_region():
+    """With two regions (the parameters TP never splits, then the split ones) every owner holds an equal share
+    of each: a region that every rank needs is served by all owners, not by the few whose one contiguous
+    shard of the whole vector would hold it."""
+    one = ParallelScheme()
+    two = ParallelScheme(tp=2)
+    layout = ComputeLayout(numel=100, regions=((0, 40), (40, 100)), ranges={
+        (one, 0, 0): ((0, 100),), (two, 0, 0): ((0, 70),), (two, 0, 1): ((0, 40), (70, 100))})
+    assert layout.owner_ranges(0, 4) == ((0, 10), (40, 55)) and layout.owner_ranges(3, 4) == ((30, 40), (85, 100))
+    assert layout.shard_numel(4) == 10 + 15 and layout.shard_numel(3) == 14 + 20
+    moved = movement_bytes(layout, Strategy.parse("2x(tp2)"), 4, param_bytes=1, reduce_bytes=1)
+    # every rank needs the 40 whole elements (it holds 10) and 30 of the 60 split ones (it holds 15, of which
+    # it needs the half its TP rank computes with: ranks 0 and 2 need [40, 70), ranks 1 and 3 [70, 100))
+    need_split = [(40, 70), (70, 100), (40, 70), (70, 100)]
+    for rank, m in enumerate(moved):
+        lo, hi = layout.owner_ranges(rank, 4)[1]
+        local_split = max(0, min(hi, need_split[rank][1]) - max(lo, need_split[rank][0]))
+        assert m.params_received == 30 + 30 - local_split
+    # the whole region's owners each serve their 10 to the 3 others: nobody is a hot spot
+    assert len({m.params_sent for m in moved}) <= 2
+    with pytest.raises(PlanError, match="regions must cut"):
+        ComputeLayout(numel=100, regions=((0, 40), (50, 100)), ranges={})
+
+
 def test_bad_layouts_are_named():
     with pytest.raises(PlanError, match="overlapping ranges"):
         merged([(0, 10), (5, 12)])
@@ -105,7 +129,7 @@ def test_the_synthesised_llama_layout_is_the_lowerings():
     synthesised = llama_compute_layout(layers=cfg.layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
                                        heads=cfg.heads, kv_heads=cfg.kv_heads, vocab=cfg.vocab, schemes=schemes)
     assert synthesised.numel == real.numel == sum(p.numel() for p in model.parameters())
-    assert synthesised.ranges == real.ranges
+    assert synthesised.ranges == real.ranges and synthesised.regions == real.regions
     with pytest.raises(PlanError, match=r"\(tp3,pp1\) does not fit a LLaMA of 4 heads"):
         llama_compute_layout(layers=4, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=96,
                              schemes=[ParallelScheme(tp=3)])

@@ -13,6 +13,8 @@ from runtime.fixed_layout import FixedLayout
 from runtime.overlap import layout_windows
 
 SHAPES = {"p0": (13,), "p1": (4, 5), "p2": (31,), "p3": (7, 3), "p4": (17,)}
+SPLIT = {"p1": 1, "p3": 0}
+"""Split dims of a layout with two regions (p0, p2, p4 whole first; then p1, p3)."""
 
 
 def _values() -> dict[str, torch.Tensor]:
@@ -25,14 +27,18 @@ def _values() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8])
-def test_windows_cover_the_layout_at_parameter_boundaries(count):
-    layout = FixedLayout(SHAPES, rank=0, world_size=4)
+@pytest.mark.parametrize("dims", [{}, SPLIT])
+def test_windows_cover_the_layout_at_parameter_boundaries(count, dims):
+    layout = FixedLayout(SHAPES, rank=0, world_size=4, split_dims=dims)
     windows = layout_windows(layout, count)
-    assert windows[0][0] == 0 and windows[-1][1] == layout.shard_numel * 4
-    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:])) and 1 <= len(windows) <= count
+    assert windows[0][0] == 0 and windows[-1][1] == layout.numel
+    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:])) and 1 <= len(windows) <= count + bool(dims)
     starts = {spec.offset for spec in layout.specs.values()}
     assert all(lo in starts for lo, _ in windows)
-    assert all(hi - lo >= layout.numel / count for lo, hi in windows[:-1]), windows  # no window smaller than due
+    for lo, hi in layout.regions:  # no window crosses a region's boundary
+        assert all(b <= lo or a >= hi or (lo <= a and b <= hi) for a, b in windows), (windows, layout.regions)
+    if not dims:
+        assert all(hi - lo >= layout.numel / count for lo, hi in windows[:-1]), windows  # none smaller than due
 
 
 def test_a_bad_window_count_is_refused():
@@ -42,12 +48,12 @@ def test_a_bad_window_count_is_refused():
             layout_windows(layout, bad)
 
 
-def _move(rank, world, subsets, orders, chunk, windows):
+def _move(rank, world, subsets, orders, chunk, windows, dims):
     from runtime.overlap import WindowedMovement
     from runtime.redistribute import Redistribution
     from runtime.stage_params import StageParams
 
-    layout = FixedLayout.from_tensors(_values(), rank, world)
+    layout = FixedLayout.from_tensors(_values(), rank, world, split_dims=dims)
     params = StageParams(layout, {n: ParamSlice(name=n, full_shape=SHAPES[n]) for n in subsets[rank]}, tp=1)
     move = Redistribution.build(layout, params.ranges, chunk_numel=chunk)
     plan = WindowedMovement(move, layout, layout_windows(layout, windows), chunk)
@@ -65,25 +71,27 @@ def _move(rank, world, subsets, orders, chunk, windows):
     return flat.clone(), layout.shard.grad.clone(), traffic, move.local_numel, move.served_numel()
 
 
-@pytest.mark.parametrize(("world", "chunk", "windows"), [(4, 5, 3), (2, 1000, 8)])
-def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, windows):
+@pytest.mark.parametrize(("world", "chunk", "windows", "dims"), [(4, 5, 3, {}), (2, 1000, 8, {}), (4, 3, 4, SPLIT)])
+def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, windows, dims):
     g = torch.Generator().manual_seed(world + chunk)
     names = list(SHAPES)
     subsets = [[n for n in names if torch.rand(1, generator=g) < 0.6] or ["p2"] for _ in range(world)]
     orders = [[subset[i] for i in torch.randperm(len(subset), generator=g)[: max(1, len(subset) - 1)]]
               for subset in subsets]
-    results = run_ranks(world, tmp_path, _move, subsets, orders, chunk, windows)
+    results = run_ranks(world, tmp_path, _move, subsets, orders, chunk, windows, dims)
     values = _values()
-    shard = -(-102 // world)
-    expected_grad = torch.zeros(shard * world)
-    offsets = FixedLayout(SHAPES, 0, world).specs
+    layout = FixedLayout(SHAPES, 0, world, split_dims=dims)
+    expected_grad = torch.zeros(layout.numel)
     for rank, subset in enumerate(subsets):
         for n in subset:
-            lo = offsets[n].offset
-            expected_grad[lo:lo + values[n].numel()] += values[n].flatten() * (rank + 1)
+            spec = layout.specs[n]
+            expected_grad[spec.offset:spec.offset + spec.numel] += spec.stored(values[n]).flatten() * (rank + 1)
     for rank, (flat, shard_grad, traffic, local, served) in enumerate(results):
-        want = torch.cat([values[n].flatten() for n in names if n in subsets[rank]])
+        want = torch.cat([layout.specs[n].stored(values[n]).flatten() for n in layout.specs if n in subsets[rank]])
         assert torch.equal(flat, want), f"rank {rank} pulled other elements"
-        torch.testing.assert_close(shard_grad, expected_grad[rank * shard:(rank + 1) * shard])
+        expected_shard = torch.zeros(layout.shard_numel)
+        for lo, hi, pos in layout.owned(rank):
+            expected_shard[pos:pos + hi - lo] = expected_grad[lo:hi]
+        torch.testing.assert_close(shard_grad, expected_shard)
         assert traffic.params_received == traffic.grads_sent == (want.numel() - local) * 4
         assert traffic.params_sent == traffic.grads_received == served * 4

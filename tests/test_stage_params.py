@@ -24,7 +24,8 @@ def test_parameters_view_the_flat_buffer_in_layout_order():
     layout = FixedLayout(SHAPES, 0, 1, split_dims={"a": 0, "b": 1})
     params = StageParams(layout, _slices(), tp=2)
     assert params.numel == 6 + 6 + 3
-    assert params.ranges == [(6, 18), (24, 27)]  # a rows 2..4 and b (stored (4, 3)) rows 0..2 touch: joined; n
+    # n (never split) comes first in the layout; a rows 2..4 and b (stored (4, 3)) rows 0..2 touch: joined
+    assert params.ranges == [(0, 3), (9, 21)]
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     layout.fill_from(full)
@@ -45,7 +46,7 @@ def test_gradients_of_every_call_accumulate_once_with_factors():
     for _ in range(3):  # three micro-batches (any buckets): one gradient buffer
         (F.linear(x, params.params["a"]).sum() + (params.params["b"] * 2).sum() + params.params["n"].sum()).backward()
     grads = params.weighted_grads()
-    a, b, n = grads[:6], grads[6:12], grads[12:]
+    n, a, b = grads[:3], grads[3:9], grads[9:]  # the layout's order: n, never split, first
     assert torch.equal(a, torch.full((6,), 15.0))  # d/dW sum(x W^T) = 5 per element, three times
     assert torch.equal(b, torch.full((6,), 6.0))
     assert torch.equal(n, torch.full((3,), 1.5))  # replicated on tp=2 ranks: counts half on each

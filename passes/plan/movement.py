@@ -2,11 +2,12 @@
 
 Every step each rank pulls the parameter slices it computes with from the ranks whose shards of the fixed
 ZeRO-1 layout hold them, and pushes their gradients back (``runtime.redistribute``). Owns
-:class:`ComputeLayout` (the flat vector's size and, per (scheme, stage, TP rank), the sorted flat ranges that
-place computes with: what ``runtime.stage_params`` holds) and :func:`movement_bytes`, which places a strategy
-as the planner does (``placement.assign_ranks``) and intersects every rank's ranges with the owners' equal
-contiguous shards, as the runtime does: per rank the bytes it receives and sends, parameters in the compute
-dtype and gradients in the reduction dtype, messages to itself not counted.
+:class:`ComputeLayout` (the flat vector's size, its regions, and, per (scheme, stage, TP rank), the sorted flat
+ranges that place computes with: what ``runtime.stage_params`` holds) and :func:`movement_bytes`, which places
+a strategy as the planner does (``placement.assign_ranks``) and intersects every rank's ranges with the
+owners' ranges (an equal contiguous share of each region, ``runtime.fixed_layout.FixedLayout.owned``), as the
+runtime does: per rank the bytes it receives and sends, parameters in the compute dtype and gradients in the
+reduction dtype, messages to itself not counted.
 
 Also owns the time of that movement: :func:`pair_elements` (what each owner sends each rank) and
 :func:`movement_time`, which replays the runtime's rounds (round d: every rank sends to rank + d and receives
@@ -93,18 +94,40 @@ class ComputeLayout:
     """The fixed layout's size and where each place computes in it."""
 
     numel: int
-    """Elements of the flat parameter vector (sharded in equal contiguous ranges over the job's ranks)."""
+    """Elements of the flat parameter vector."""
     ranges: Mapping[Place, Ranges]
     """Per (scheme, stage, TP rank): the sorted, disjoint flat ranges of the parameter slices it computes with."""
+    regions: Ranges = ()
+    """The flat ranges every rank owns an equal contiguous share of (the runtime's: the parameters TP never
+    splits, then the others); empty: one region, the whole vector."""
     _prefix: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 1:
             raise PlanError(f"numel must be a positive integer, got {self.numel!r}")
+        regions = tuple(self.regions) or ((0, self.numel),)
+        if regions[0][0] != 0 or regions[-1][1] != self.numel or any(
+                a[1] != b[0] for a, b in zip(regions, regions[1:])) or any(hi <= lo for lo, hi in regions):
+            raise PlanError(f"regions must cut [0, {self.numel}) into consecutive non-empty ranges, got {regions}")
+        object.__setattr__(self, "regions", regions)
         for place, ranges in self.ranges.items():
             if merged(ranges) != tuple(ranges) or (ranges and (ranges[0][0] < 0 or ranges[-1][1] > self.numel)):
                 raise PlanError(f"the ranges of {_describe(place)} must be sorted, disjoint, joined and inside "
                                 f"[0, {self.numel}), got {ranges[:3]}...")
+
+    def owner_ranges(self, owner: int, world: int) -> Ranges:
+        """The flat ranges rank ``owner`` of ``world`` holds: its share of each region, in flat order."""
+        out = []
+        for lo, hi in self.regions:
+            share = -(-(hi - lo) // world)
+            a, b = min(hi, lo + owner * share), min(hi, lo + (owner + 1) * share)
+            if b > a:
+                out.append((a, b))
+        return tuple(out)
+
+    def shard_numel(self, world: int) -> int:
+        """Elements of every rank's shard among ``world``: its shares, each padded to the region's."""
+        return sum(-(-(hi - lo) // world) for lo, hi in self.regions)
 
     def needs(self, place: Place) -> _Prefix:
         """The ranges of ``place``, ready for counting (a place the layout lacks is a PlanError)."""
@@ -163,16 +186,15 @@ def movement_bytes(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int
     """Per rank of ``strategy`` (placed as the planner places it), the bytes it moves in one step."""
     where = places(strategy, gpus_per_node)
     world = len(where)
-    shard = max(1, -(-layout.numel // world))
     counts: dict[Place, int] = {}
     for place in where:
         counts[place] = counts.get(place, 0) + 1
     out = []
     for rank, place in enumerate(where):
-        lo, hi = rank * shard, (rank + 1) * shard
+        owned = layout.owner_ranges(rank, world)
         mine = layout.needs(place)
-        local = mine.inside(lo, hi)
-        served = sum(n * layout.needs(p).inside(lo, hi) for p, n in counts.items()) - local
+        local = sum(mine.inside(lo, hi) for lo, hi in owned)
+        served = sum(n * layout.needs(p).inside(lo, hi) for p, n in counts.items() for lo, hi in owned) - local
         received = mine.total - local
         out.append(RankMovement(params_received=received * param_bytes, params_sent=served * param_bytes,
                                 grads_sent=received * reduce_bytes, grads_received=served * reduce_bytes))
@@ -180,10 +202,15 @@ def movement_bytes(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int
 
 
 def _per_owner(layout: ComputeLayout, place: Place, world: int) -> np.ndarray:
-    """Per owner k of ``world`` equal shards: elements of its shard that ``place`` computes with."""
-    shard = max(1, -(-layout.numel // world))
+    """Per owner k of ``world``: elements of its ranges that ``place`` computes with."""
     prefix = layout.needs(place)
-    return np.diff(np.array([prefix.upto(k * shard) for k in range(world + 1)], dtype=np.int64))
+    out = np.zeros(world, dtype=np.int64)
+    for lo, hi in layout.regions:
+        share = -(-(hi - lo) // world)
+        cuts = np.minimum(hi, lo + share * np.arange(world + 1))
+        counts: np.ndarray = np.array([prefix.upto(int(c)) for c in cuts], dtype=np.int64)
+        out += counts[1:] - counts[:-1]
+    return out
 
 
 def pair_elements(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int,
@@ -281,7 +308,7 @@ def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, pa
     np.fill_diagonal(elements, 0)
     served = elements.sum(axis=1)
     node = np.arange(elements.shape[0]) // links.gpus_per_node
-    shard = -(-layout.numel // max(1, elements.shape[0]))
+    shard = layout.shard_numel(max(1, elements.shape[0]))
     pull = _rounds_ready(elements, node, links, param_bytes, chunk_numel) + links.fresh_ms(1) * 2 * needs * param_bytes
     push = (_rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
             + links.fresh_ms(1) * (4 * shard + served * reduce_bytes))
@@ -368,7 +395,7 @@ class MovementCost:
             return 0.0
         fewest = min(self.layout.needs((compute_scheme(s), stage, t)).total for s in schemes for stage in range(s.pp)
                      for t in range(s.tp))
-        missing = max(0, fewest - -(-self.layout.numel // gpus))
+        missing = max(0, fewest - self.layout.shard_numel(gpus))
         fastest = max(self.links.intra_gbps, self.links.inter_gbps) * 1e6
         return missing * (self.param_bytes + self.reduce_bytes) / fastest
 
@@ -418,12 +445,13 @@ def _block(param: _Param, tp: int, tp_rank: int, heads: int, kv_heads: int) -> t
 
 def llama_compute_layout(*, layers: int, hidden: int, ffn_hidden: int, heads: int, kv_heads: int, vocab: int,
                          schemes: list[ParallelScheme]) -> ComputeLayout:
-    """The compute layout of a LLaMA (``hcompile.models.Llama``'s parameters and order, embeddings and head not
-    split) for the planner at any scale: q, gate and up projections split by output rows, o and down by input
-    features (stored transposed), k and v by rows or, with fewer kv heads than ranks, the rank's kv head whole;
-    pipeline stages take ``layers / pp`` consecutive layers each (the earlier stages one more when it does not
-    divide), the embedding with the first and the final norm and head with the last. The runtime cuts stages by
-    cost, so under pp > 1 this is the even cut, an approximation of it."""
+    """The compute layout of a LLaMA (``hcompile.models.Llama``'s parameters, embeddings and head not split, in
+    the runtime's flat order: the parameters TP never splits first, each group in the model's order, the two
+    groups the layout's regions) for the planner at any scale: q, gate and up projections split by output
+    rows, o and down by input features (stored transposed), k and v by rows or, with fewer kv heads than
+    ranks, the rank's kv head whole; pipeline stages take ``layers / pp`` consecutive layers each (the earlier
+    stages one more when it does not divide), the embedding with the first and the final norm and head with the
+    last. The runtime cuts stages by cost, so under pp > 1 this is the even cut, an approximation of it."""
     for name, value in (("layers", layers), ("hidden", hidden), ("ffn_hidden", ffn_hidden), ("heads", heads),
                         ("kv_heads", kv_heads), ("vocab", vocab)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -431,10 +459,12 @@ def llama_compute_layout(*, layers: int, hidden: int, ffn_hidden: int, heads: in
     if hidden % heads or heads % kv_heads:
         raise PlanError(f"hidden {hidden} must be a multiple of heads {heads}, and heads of kv_heads {kv_heads}")
     params = _llama_params(layers, hidden, ffn_hidden, heads, kv_heads, vocab)
+    params = [p for p in params if p.kind == "whole"] + [p for p in params if p.kind != "whole"]  # the runtime's order
     offsets, total = [], 0
     for p in params:
         offsets.append(total)
         total += p.numel
+    whole = sum(p.numel for p in params if p.kind == "whole")
     ranges: dict[Place, Ranges] = {}
     for scheme in dict.fromkeys(compute_scheme(s) for s in schemes):  # a CP scheme computes as its base
         if heads % scheme.tp or (kv_heads % scheme.tp and scheme.tp % kv_heads) or scheme.pp > layers:
@@ -452,4 +482,4 @@ def llama_compute_layout(*, layers: int, hidden: int, ffn_hidden: int, heads: in
                         inner = p.numel // (p.rows or p.numel)
                         own.append((offset + a * inner, offset + b * inner))
                 ranges[(scheme, stage, tp_rank)] = merged(own)
-    return ComputeLayout(numel=total, ranges=ranges)
+    return ComputeLayout(numel=total, ranges=ranges, regions=((0, whole), (whole, total)))
