@@ -223,15 +223,17 @@ class Planner:
         return sorted(((f, s.describe(), s) for s, f in scored.items()), key=lambda x: x[:2])
 
     def _best_of(self, candidates: list[Strategy], seq_lens: list[int], refine: bool = False) -> _Assignment:
-        """Plan in full, in order of the fluid estimate: the first ``full_at_least`` candidates and the best
-        candidate of ``candidates`` themselves, then every other one predicted within ``prune_above`` of the
-        best plan found and not excluded by its schemes' bound, ``full_at_most`` in all."""
+        """Plan in full, in order of the fluid estimate: the first ``full_at_least`` candidates, the best
+        candidate of ``candidates`` themselves and the fixed strategy where it is one of them (so a step is never
+        planned worse than the baselines' strategy with this dispatch, whatever the ranking's movement bound
+        misjudges), then every other one predicted within ``prune_above`` of the best plan found and not
+        excluded by its schemes' bound, ``full_at_most`` in all."""
         ranked = self._ranked(candidates, seq_lens, refine)
         first_own = next((s for _, _, s in ranked if s in candidates), ranked[0][2])
         best = None
         self.planned_in_full = 0
         for planned, (fluid, _, strategy) in enumerate(ranked):
-            must = planned < self.full_at_least or strategy == first_own
+            must = planned < self.full_at_least or strategy == first_own or strategy == self.fixed
             if best is not None and not must and self.planned_in_full >= self.full_at_most:
                 continue
             # predicted clearly slower than the best plan found: the margin is a share of its compute (the fluid
