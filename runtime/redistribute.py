@@ -108,6 +108,12 @@ class Redistribution:
             self.segments.append(segments)
         self.serves: list[Ranges] = [layout.in_shard(need, self.rank) for need in needs]
         """Per rank j: the ranges of this rank's shard (shard coordinates) that j computes with, in order."""
+        own = layout.owned(self.rank)
+        self.serve_parts: list[list[Ranges]] = [
+            [part for lo, hi, pos in own for part in [intersect(ranges, pos, pos + hi - lo)] if part]
+            for ranges in self.serves]
+        """Per rank j: ``serves[j]`` cut by region (the non-empty parts, in order): what j's ``segments`` of this
+        rank are. A pair's transfer goes part by part, so no message spans two segments of a buffer."""
 
     @classmethod
     def build(cls, layout: FixedLayout, mine: Ranges, chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> "Redistribution":
@@ -136,26 +142,25 @@ class Redistribution:
         sent = received = 0
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            n_send, n_recv = total(self.serves[to]), total(self.segments[frm])
-            for c in range(0, max(n_send, n_recv), self.chunk):
-                sends, recvs, landing = [], [], None
-                if c < n_send:
-                    n = min(self.chunk, n_send - c)
-                    sends.append((gather_ranges(shard, self.serves[to], c, n, flat.dtype), to))
-                    sent += n * size
-                if c < n_recv:
-                    n = min(self.chunk, n_recv - c)
-                    spans = list(pieces(self.segments[frm], c, n))
-                    landing = None if len(spans) == 1 else (torch.empty(n, dtype=flat.dtype, device=flat.device),
-                                                            spans)
-                    recvs.append((flat[spans[0][1]:spans[0][1] + n] if landing is None else landing[0], frm))
-                    received += n * size
+            for part, c, n_send, (start, n_recv) in self._messages(self.serve_parts[to], self.segments[frm]):
+                sends, recvs = [], []
+                if n_send:
+                    sends.append((gather_ranges(shard, self.serve_parts[to][part], c, n_send, flat.dtype), to))
+                    sent += n_send * size
+                if n_recv:
+                    recvs.append((flat[start + c:start + c + n_recv], frm))
+                    received += n_recv * size
                 comm.exchange(sends, recvs)
-                if landing is not None:
-                    with torch.no_grad():
-                        for pos, at, n in landing[1]:
-                            flat[at:at + n].copy_(landing[0][pos - c:pos - c + n])
         return Traffic(params_received=received, params_sent=sent)
+
+    def _messages(self, send_parts: list[Ranges], recv_segments: Ranges) -> Iterator[tuple[int, int, int, tuple]]:
+        """The messages of one round, in the order both ends of each pair post them: per part (region), per
+        chunk ``c``: (part, c, elements sent, (first element of the receiving segment, elements received))."""
+        for part in range(max(len(send_parts), len(recv_segments))):
+            n_send = total(send_parts[part]) if part < len(send_parts) else 0
+            start, end = recv_segments[part] if part < len(recv_segments) else (0, 0)
+            for c in range(0, max(n_send, end - start), self.chunk):
+                yield part, c, max(0, min(self.chunk, n_send - c)), (start, max(0, min(self.chunk, end - start - c)))
 
     def push(self, layout: FixedLayout, grads: torch.Tensor, reduce_dtype: torch.dtype = torch.float32) -> Traffic:
         """Sum every rank's gradient buffer (``grads``, in this rank's buffer order) into the owners' shards:
@@ -169,20 +174,20 @@ class Redistribution:
         sent = received = 0
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            n_send, n_recv = total(self.segments[to]), total(self.serves[frm])
-            for c in range(0, max(n_send, n_recv), self.chunk):
+            # the pull's messages reversed: segments of this rank's buffer go out, parts of its shard come in
+            for part, c, (start, n_send), n_recv in ((p, c, r, s) for p, c, s, r in
+                                                     self._messages(self.serve_parts[frm], self.segments[to])):
                 sends, recvs, buf = [], [], None
-                if c < n_send:
-                    piece = gather_ranges(grads, self.segments[to], c, min(self.chunk, n_send - c), reduce_dtype)
-                    sends.append((piece, to))
-                    sent += piece.numel() * size
-                if c < n_recv:
-                    buf = torch.empty(min(self.chunk, n_recv - c), dtype=reduce_dtype, device=grads.device)
+                if n_send:
+                    sends.append((grads[start + c:start + c + n_send].to(reduce_dtype), to))
+                    sent += n_send * size
+                if n_recv:
+                    buf = torch.empty(n_recv, dtype=reduce_dtype, device=grads.device)
                     recvs.append((buf, frm))
-                    received += buf.numel() * size
+                    received += n_recv * size
                 comm.exchange(sends, recvs)
                 if buf is not None:
-                    for pos, off, n in pieces(self.serves[frm], c, buf.numel()):
+                    for pos, off, n in pieces(self.serve_parts[frm][part], c, n_recv):
                         shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
         layout.shard.grad = shard_grad
         return Traffic(grads_sent=sent, grads_received=received)

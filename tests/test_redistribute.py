@@ -26,11 +26,19 @@ def _random_needs(seed: int, world: int) -> list[list[tuple[int, int]]]:
     return needs
 
 
-def _move(rank, world, needs, chunk, dtype):
+def _layout(rank, world, regions):
+    """One parameter (one region), or a whole one of 40 elements then a split one (two regions); either way the
+    flat vector is ``arange(NUMEL) * 0.5``."""
     from runtime.fixed_layout import FixedLayout
 
     flat = torch.arange(NUMEL, dtype=torch.float32) * 0.5
-    layout = FixedLayout.from_tensors({"w": flat}, rank, world)
+    if regions == 1:
+        return FixedLayout.from_tensors({"w": flat}, rank, world)
+    return FixedLayout.from_tensors({"w": flat[40:], "n": flat[:40]}, rank, world, split_dims={"w": 0})
+
+
+def _move(rank, world, needs, chunk, dtype, regions=1):
+    layout = _layout(rank, world, regions)
     move = Redistribution.build(layout, needs[rank], chunk_numel=chunk)
     buf = torch.full((move.numel,), -1.0, dtype=dtype)
     pulled = move.pull(layout, buf)
@@ -40,24 +48,28 @@ def _move(rank, world, needs, chunk, dtype):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("chunk", [1000, 7])
-def test_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk):
+@pytest.mark.parametrize(("chunk", "regions"), [(1000, 1), (7, 1), (1000, 2), (5, 2)])
+def test_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, regions):
     needs = _random_needs(world * 31 + chunk, world)
-    results = run_ranks(world, tmp_path, _move, needs, chunk, torch.float32)
+    results = run_ranks(world, tmp_path, _move, needs, chunk, torch.float32, regions)
     flat = torch.arange(NUMEL, dtype=torch.float32) * 0.5
-    shard = -(-NUMEL // world)
-    expected_grad = torch.zeros(shard * world)
+    expected_grad = torch.zeros(NUMEL)
     for rank, need in enumerate(needs):
         for a, b in need:
             expected_grad[a:b] += flat[a:b] * (rank + 1)
     for rank, (buf, shard_grad, traffic, local, served) in enumerate(results):
+        layout = _layout(rank, world, regions)
+        assert len(layout.regions) == regions
         want = torch.cat([flat[a:b] for a, b in needs[rank]])
         assert torch.equal(buf, want), f"rank {rank} pulled other elements"
-        torch.testing.assert_close(shard_grad, expected_grad[rank * shard:(rank + 1) * shard])
+        expected_shard = torch.zeros(layout.shard_numel)
+        for lo, hi, pos in layout.owned(rank):
+            expected_shard[pos:pos + hi - lo] = expected_grad[lo:hi]
+        torch.testing.assert_close(shard_grad, expected_shard)
         size = sum(b - a for a, b in needs[rank])
         assert traffic.params_received == traffic.grads_sent == (size - local) * 4
         assert traffic.params_sent == traffic.grads_received == served * 4
-        mine = sum(b - a for a, b in intersect(needs[rank], rank * shard, (rank + 1) * shard))
+        mine = sum(b - a for lo, hi in layout.owner_ranges(rank) for a, b in intersect(needs[rank], lo, hi))
         assert local == mine
 
 
