@@ -11,9 +11,9 @@ and then moves only those slices:
 - ``push``: every rank sends each owner the segments of its gradient buffer that fall in that owner's
   ranges, in the reduction dtype; owners add what they receive into their shard's fp32 gradient.
 
-Transfers go in rounds of pairs (round d: send to rank + d, receive from rank - d), the pair's message (its
-segments one after the other) in chunks of at most ``chunk_numel`` elements, so the only buffers besides the
-compute copy are one send and one receive chunk. Bytes are counted per direction.
+Transfers go in rounds of pairs (round d: send to rank + d, receive from rank - d), a pair's transfer region
+by region (one segment of the receiver's buffer each), in chunks of at most ``chunk_numel`` elements, so the
+only buffers besides the compute copy are one send and one receive chunk. Bytes are counted per direction.
 """
 
 from __future__ import annotations

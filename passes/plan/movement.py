@@ -250,7 +250,8 @@ def _rounds_ready(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes:
     """The runtime's rounds of pairs with ``sends[a, b]`` elements from a to b: round d pairs r -> r + d, a
     message starts when both ends have finished round d - 1 (an empty one is not sent) and takes a latency
     per chunk plus its bytes over its link; a rank finishes a round with its send and its receive. Per rank,
-    when it finishes the last round (ms)."""
+    when it finishes the last round (ms). The runtime sends a pair's two regions as messages of their own: up
+    to one latency more per pair and round than counted here."""
     world = sends.shape[0]
     if world < 2:
         return np.zeros(world)
