@@ -47,8 +47,7 @@ def _move(rank, world, needs, chunk, dtype, regions=1):
     return buf.float(), layout.shard.grad.clone(), pulled + pushed, move.local_numel, move.served_numel()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("chunk", "regions"), [(1000, 1), (7, 1), (1000, 2), (5, 2)])
+@pytest.mark.parametrize(("world", "chunk", "regions"), [(2, 1000, 1), (4, 7, 1), (2, 7, 2), (4, 5, 2)])
 def test_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, regions):
     needs = _random_needs(world * 31 + chunk, world)
     results = run_ranks(world, tmp_path, _move, needs, chunk, torch.float32, regions)
