@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from passes.graph.tensor_parallel import ParamSlice
+from passes.plan.movement import owned_ranges, region_shares
 from runtime import distributed as comm
 
 __all__ = ["ParamSpec", "FixedLayout", "Init", "fill_layout", "intersect"]
@@ -113,8 +114,7 @@ class FixedLayout:
         """Elements of all the parameters (the flat vector has no padding: the shards do)."""
         self.regions = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, 0)]
         """The flat ranges every rank owns an equal share of: the parameters TP never splits, then the others."""
-        self._share = [max(1, -(-(hi - lo) // world_size)) if hi > lo else 1 for lo, hi in self.regions]
-        self.shard_numel = sum(self._share)
+        self.shard_numel = max(1, sum(region_shares(self.regions, world_size)))
         """Elements of every rank's shard (its shares, each padded to the region's share; the padding is zero)."""
         self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device))
 
@@ -134,13 +134,7 @@ class FixedLayout:
     def owned(self, owner: int) -> list[tuple[int, int, int]]:
         """(flat lo, flat hi, position in the owner's shard) of each flat range rank ``owner`` holds, in flat
         order: its share of each region (the last ranks' shares may be short or empty)."""
-        out, pos = [], 0
-        for (lo, hi), share in zip(self.regions, self._share):
-            a, b = min(hi, lo + owner * share), min(hi, lo + (owner + 1) * share)
-            if b > a:
-                out.append((a, b, pos))
-            pos += share
-        return out
+        return owned_ranges(self.regions, owner, self.world_size)
 
     def owner_ranges(self, owner: int) -> list[tuple[int, int]]:
         """The flat ranges [lo, hi) that rank ``owner`` holds, in flat order."""

@@ -29,9 +29,9 @@ from passes.plan.ir import ParallelScheme, PlanError, Strategy
 from passes.plan.links import Links
 from passes.plan.placement import assign_ranks
 
-__all__ = ["compute_scheme", "ComputeLayout", "RankMovement", "movement_bytes", "merged", "places",
-           "shared_transfer_ms", "llama_compute_layout", "pair_elements", "MovementTime", "movement_time",
-           "MovementCost", "DEFAULT_CHUNK_NUMEL"]
+__all__ = ["region_shares", "owned_ranges", "compute_scheme", "ComputeLayout", "RankMovement", "movement_bytes",
+           "merged", "places", "shared_transfer_ms", "llama_compute_layout", "pair_elements", "MovementTime",
+           "movement_time", "MovementCost", "DEFAULT_CHUNK_NUMEL"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
 """Elements of the runtime's largest single message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL``)."""
@@ -54,6 +54,26 @@ def merged(ranges: list[tuple[int, int]] | Ranges) -> Ranges:
         else:
             out.append((lo, hi))
     return tuple(out)
+
+
+def region_shares(regions: Ranges, world: int) -> list[int]:
+    """Per region [lo, hi): the elements of every rank's share of it among ``world``, ``ceil((hi - lo) / world)``
+    (the last ranks' shares are short or empty)."""
+    return [-(-(hi - lo) // world) for lo, hi in regions]
+
+
+def owned_ranges(regions: Ranges, owner: int, world: int) -> list[tuple[int, int, int]]:
+    """(flat lo, flat hi, position in the owner's shard) of each flat range rank ``owner`` of ``world`` holds:
+    its equal contiguous share of each region, in flat order; its shard is the shares one after the other,
+    each padded to the region's share. The one ownership rule of the runtime's fixed layout
+    (``runtime.fixed_layout.FixedLayout.owned``) and of the planner's count."""
+    out, pos = [], 0
+    for (lo, hi), share in zip(regions, region_shares(regions, world)):
+        a, b = min(hi, lo + owner * share), min(hi, lo + (owner + 1) * share)
+        if b > a:
+            out.append((a, b, pos))
+        pos += share
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,17 +137,11 @@ class ComputeLayout:
 
     def owner_ranges(self, owner: int, world: int) -> Ranges:
         """The flat ranges rank ``owner`` of ``world`` holds: its share of each region, in flat order."""
-        out = []
-        for lo, hi in self.regions:
-            share = -(-(hi - lo) // world)
-            a, b = min(hi, lo + owner * share), min(hi, lo + (owner + 1) * share)
-            if b > a:
-                out.append((a, b))
-        return tuple(out)
+        return tuple((a, b) for a, b, _ in owned_ranges(self.regions, owner, world))
 
     def shard_numel(self, world: int) -> int:
         """Elements of every rank's shard among ``world``: its shares, each padded to the region's."""
-        return sum(-(-(hi - lo) // world) for lo, hi in self.regions)
+        return sum(region_shares(self.regions, world))
 
     def needs(self, place: Place) -> _Prefix:
         """The ranges of ``place``, ready for counting (a place the layout lacks is a PlanError)."""
@@ -205,8 +219,7 @@ def _per_owner(layout: ComputeLayout, place: Place, world: int) -> np.ndarray:
     """Per owner k of ``world``: elements of its ranges that ``place`` computes with."""
     prefix = layout.needs(place)
     out = np.zeros(world, dtype=np.int64)
-    for lo, hi in layout.regions:
-        share = -(-(hi - lo) // world)
+    for (lo, hi), share in zip(layout.regions, region_shares(layout.regions, world)):
         cuts = np.minimum(hi, lo + share * np.arange(world + 1))
         counts: np.ndarray = np.array([prefix.upto(int(c)) for c in cuts], dtype=np.int64)
         out += counts[1:] - counts[:-1]
