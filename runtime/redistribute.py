@@ -140,18 +140,33 @@ class Redistribution:
                 flat[at:at + n].copy_(shard[off:off + n])
         size = flat.element_size()
         sent = received = 0
+        staging = self._staging(self.serve_parts, flat.dtype, layout.shard.dtype, flat.device)
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
             for part, c, n_send, (start, n_recv) in self._messages(self.serve_parts[to], self.segments[frm]):
                 sends, recvs = [], []
                 if n_send:
-                    sends.append((gather_ranges(shard, self.serve_parts[to][part], c, n_send, flat.dtype), to))
+                    sends.append((gather_ranges(shard, self.serve_parts[to][part], c, n_send, flat.dtype, staging), to))
                     sent += n_send * size
                 if n_recv:
                     recvs.append((flat[start + c:start + c + n_recv], frm))
                     received += n_recv * size
                 comm.exchange(sends, recvs)
         return Traffic(params_received=received, params_sent=sent)
+
+    def _staging(self, parts: list[list[Ranges]], dtype: torch.dtype, source: torch.dtype,
+                 device: torch.device) -> torch.Tensor | None:
+        """One buffer for this phase's messages gathered from several ranges of the shard (or cast from
+        ``source`` to ``dtype``): as large as the largest of them, reused message after message (each exchange
+        completes before the next is posted); None when every message is a view of the shard."""
+        largest = max((min(self.chunk, total(part)) for j, rank_parts in enumerate(parts) if j != self.rank
+                       for part in rank_parts if len(part) > 1 or dtype != source), default=0)
+        return torch.empty(largest, dtype=dtype, device=device) if largest else None
+
+    def _largest_message(self, spans: list[Ranges]) -> int:
+        """Elements of the largest message over ``spans`` (per other rank, [start, end) spans; chunked)."""
+        return max((min(self.chunk, b - a) for j, rank_spans in enumerate(spans) if j != self.rank
+                    for a, b in rank_spans), default=0)
 
     def _messages(self, send_parts: list[Ranges], recv_segments: Ranges) -> Iterator[tuple[int, int, int, tuple]]:
         """The messages of one round, in the order both ends of each pair post them: per part (region), per
@@ -172,31 +187,49 @@ class Redistribution:
             shard_grad[off:off + n].add_(grads[at:at + n])
         size = torch.empty((), dtype=reduce_dtype).element_size()
         sent = received = 0
+        # one receive buffer and (when the buffer's dtype is not the reduction's) one cast buffer for every
+        # message: each exchange completes before the next is posted
+        inbox = torch.empty(self._largest_message([[(0, total(part)) for part in parts] for parts in self.serve_parts]),
+                            dtype=reduce_dtype, device=grads.device)
+        cast = None if grads.dtype == reduce_dtype else torch.empty(
+            self._largest_message(self.segments), dtype=reduce_dtype, device=grads.device)
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
             # the pull's messages reversed: segments of this rank's buffer go out, parts of its shard come in
             for part, c, (start, n_send), n_recv in ((p, c, r, s) for p, c, s, r in
                                                      self._messages(self.serve_parts[frm], self.segments[to])):
-                sends, recvs, buf = [], [], None
+                sends, recvs = [], []
                 if n_send:
-                    sends.append((grads[start + c:start + c + n_send].to(reduce_dtype), to))
+                    piece = grads[start + c:start + c + n_send]
+                    sends.append((piece if cast is None else cast[:n_send].copy_(piece), to))
                     sent += n_send * size
                 if n_recv:
-                    buf = torch.empty(n_recv, dtype=reduce_dtype, device=grads.device)
-                    recvs.append((buf, frm))
+                    recvs.append((inbox[:n_recv], frm))
                     received += n_recv * size
                 comm.exchange(sends, recvs)
-                if buf is not None:
+                if n_recv:
                     for pos, off, n in pieces(self.serve_parts[frm][part], c, n_recv):
-                        shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
+                        shard_grad[off:off + n].add_(inbox[pos - c:pos - c + n])
         layout.shard.grad = shard_grad
         return Traffic(grads_sent=sent, grads_received=received)
 
 
 
-def gather_ranges(shard: torch.Tensor, ranges: Ranges, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """Elements [start, start + count) of the concatenation of ``ranges`` of ``shard``, contiguous, in ``dtype``
-    (a view of the shard when that is one range already in ``dtype``)."""
+def gather_ranges(shard: torch.Tensor, ranges: Ranges, start: int, count: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements [start, start + count) of the concatenation of ``ranges`` of ``shard``, contiguous, in ``dtype``:
+    a view of the shard when that is one range already in ``dtype``, else written into ``out[:count]`` (a
+    buffer of ``dtype`` with room for them) or, without ``out``, into a new tensor."""
     parts = [shard[off:off + n] for _, off, n in pieces(ranges, start, count)]
-    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return joined.to(dtype).contiguous()
+    if len(parts) == 1 and shard.dtype == dtype:
+        return parts[0]
+    if out is None:
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined.to(dtype).contiguous()
+    if out.dtype != dtype or out.numel() < count:
+        raise ValueError(f"the staging buffer ({out.dtype}, {out.numel()} elements) cannot hold {count} of {dtype}")
+    pos = 0
+    for piece in parts:
+        out[pos:pos + piece.numel()].copy_(piece)
+        pos += piece.numel()
+    return out[:count]

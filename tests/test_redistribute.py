@@ -37,13 +37,13 @@ def _layout(rank, world, regions):
     return FixedLayout.from_tensors({"w": flat[40:], "n": flat[:40]}, rank, world, split_dims={"w": 0})
 
 
-def _move(rank, world, needs, chunk, dtype, regions=1):
+def _move(rank, world, needs, chunk, dtype, regions=1, reduce_dtype=None):
     layout = _layout(rank, world, regions)
     move = Redistribution.build(layout, needs[rank], chunk_numel=chunk)
     buf = torch.full((move.numel,), -1.0, dtype=dtype)
     pulled = move.pull(layout, buf)
     grads = buf.float() * (rank + 1)  # rank r's gradient: (r + 1) times each element it holds
-    pushed = move.push(layout, grads.to(dtype), reduce_dtype=dtype)
+    pushed = move.push(layout, grads.to(dtype), reduce_dtype=reduce_dtype or dtype)
     return buf.float(), layout.shard.grad.clone(), pulled + pushed, move.local_numel, move.served_numel()
 
 
@@ -73,12 +73,17 @@ def test_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, regions):
 
 
 def test_bf16_messages_are_half_the_bytes(tmp_path):
+    """bf16 parameters and gradients are half the bytes; bf16 gradients reduced in fp32 (cast message by message
+    through one buffer) are fp32's bytes and sums."""
     needs = _random_needs(5, 2)
-    fp32 = run_ranks(2, tmp_path, _move, needs, 1000, torch.float32)
-    bf16 = run_ranks(2, tmp_path, _move, needs, 1000, torch.bfloat16)
-    for (_, g32, t32, _, _), (_, g16, t16, _, _) in zip(fp32, bf16):
+    fp32 = run_ranks(2, tmp_path, _move, needs, 7, torch.float32)
+    bf16 = run_ranks(2, tmp_path, _move, needs, 7, torch.bfloat16)
+    mixed = run_ranks(2, tmp_path, _move, needs, 7, torch.bfloat16, 1, torch.float32)
+    for (_, g32, t32, _, _), (_, g16, t16, _, _), (_, gmix, tmix, _, _) in zip(fp32, bf16, mixed):
         assert t16.params_received * 2 == t32.params_received and t16.grads_sent * 2 == t32.grads_sent
         torch.testing.assert_close(g16, g32, rtol=1e-2, atol=1e-2)
+        assert tmix.grads_sent == t32.grads_sent and tmix.params_received == t16.params_received
+        torch.testing.assert_close(gmix, g32, rtol=1e-2, atol=1e-2)
 
 
 @settings(max_examples=60, deadline=None)
