@@ -16,13 +16,14 @@ per rank:
 "before" is the previous runtime's movement re-enacted on the same layout by the same meters: every rank
 all-gathers the whole fp32 vector, copies its slices from it, and all-reduces a full-size gradient buffer.
 
-Time of the movement, predicted against measured, per strategy: the links between these ranks are probed first
-(``runtime.link_probe``: the movement's rounds of pairs for a few message sizes, a latency and a bandwidth
-fitted), the planner replays the strategy's rounds on them (``passes.plan.movement.movement_time``, from the
+Time of the movement, predicted against measured, per strategy: once every strategy has compiled, the links
+between these ranks are probed (``runtime.link_probe``: the movement's rounds of pairs for a few message sizes, a
+latency and a bandwidth fitted; the rates of writing new memory and of adding written memory), the planner
+replays the strategy's rounds and its memory work on them (``passes.plan.movement.movement_time``, from the
 layout the lowerings give), and three more steps are timed with a barrier before the pull and before the push:
 measured pull is from the barrier until the last rank starts computing, measured push from the barrier until
 the last rank reaches its optimiser (medians of the three). ``pred_move_ms`` / ``measured_move_ms`` is their
-sum; the target is within 25%.
+sum; the target is within 25%. The ranks run under :data:`FRESH_ALLOCATOR` (``--default-allocator``: not).
 Prints a table; ``--json`` prints one JSON object; every row is appended, stamped, to
 ``results/memory.jsonl``. ``--smoke``: a tiny model, two strategies (CI).
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -150,6 +152,10 @@ def _batch(cfg: LlamaConfig, step: int) -> list[torch.Tensor]:
 
 TIMED_STEPS = 3
 """Steps per strategy timed for the movement (their medians)."""
+PROBE_REPEATS = 15
+"""Timings per figure of the link probe, after every strategy has compiled (with the probe's default 5, its
+every-rank bandwidth and new-memory rate varied by up to 30% from run to run on 4 ranks sharing 2 cores; with
+15, by under 10%)."""
 
 
 class PhaseClock:
@@ -199,13 +205,14 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
         loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=list(strategies),
         tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02))
     layout, executor = trainer.layout, trainer.executor
-    probe = probe_links()
+    for i, strategy in enumerate(strategies):
+        trainer.train_step(_batch(cfg, 2 * i), strategy=strategy)  # compiles what the strategy needs
+    probe = probe_links(repeats=PROBE_REPEATS)
     links = probe.host_links(world)
     parsed = [Strategy.parse(s) for s in strategies]
     compute = compute_layout(trainer.lowerings, layout, sorted({s for p in parsed for s in p.schemes}))
     rows = []
     for i, strategy in enumerate(strategies):
-        trainer.train_step(_batch(cfg, 2 * i), strategy=strategy)  # compiles what the strategy needs
         meter = LiveBytes(base=layout.shard_numel * 4)
         hook = lambda phase, step, meter=meter: meter.mark(phase)  # noqa: E731
         executor.hooks.insert(0, hook)
@@ -261,11 +268,31 @@ def _full_vector_movement(layout, move) -> dict:
             "before_peak_movement": meter.movement_peak()}
 
 
-def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4) -> list[dict]:
-    """Every (strategy, rank) row, measured on ``world`` local ranks."""
+FRESH_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
+"""glibc's settings for the ranks (read when a process starts): every block of 1 MiB or more is mapped anew and
+given back when freed, so each step's movement buffers are new memory, as the movement model counts them. Under
+glibc's default (a threshold that rises as blocks are freed, up to 32 MiB, and freed memory kept in the heap) a
+buffer of 30-100 MB is sometimes served from memory the step freed before it, already written, and sometimes
+mapped anew; which, depends on the order of everything the step allocated, and no model of the movement can know
+it (on 4 ranks the movement of 1x(tp2,pp2) took 134 ms under the default and 283 ms under these settings)."""
+
+
+def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4, allocator: bool = True) -> list[dict]:
+    """Every (strategy, rank) row, measured on ``world`` local ranks (under :data:`FRESH_ALLOCATOR` unless
+    ``allocator`` is False)."""
     from hcompile.tools.spawn import run_local_ranks
 
-    per_rank = run_local_ranks(world, _rank, cfg, strategies, timeout_s=1200)
+    saved = {name: os.environ.get(name) for name in FRESH_ALLOCATOR}
+    if allocator:
+        os.environ.update(FRESH_ALLOCATOR)
+    try:
+        per_rank = run_local_ranks(world, _rank, cfg, strategies, timeout_s=1200)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return [row for rows in zip(*per_rank) for row in rows]
 
 
@@ -300,7 +327,9 @@ def format_movement(summary: dict) -> str:
     """The time table: per strategy, predicted against measured."""
     links = summary["links"]
     lines = [f"links probed: {links['gbps']:.3f} GB/s one way every rank at once ({links['pair_gbps']:.3f} one pair "
-             f"alone), {links['latency_us']:.0f} us per message, new memory written at {links['fresh_gbps']:.3f} GB/s",
+             f"alone), {links['latency_us']:.0f} us per message, new memory written at {links['fresh_gbps']:.3f} GB/s "
+             f"and freed at {links['freed_gbps']:.3f}, "
+             f"written memory added at {links['warm_gbps']:.3f} GB/s (allocator: {summary['allocator']})",
              f"{'strategy':<13}{'pull pred':>10}{'meas':>8}{'push pred':>10}{'meas':>8}{'move pred':>10}"
              f"{'meas':>8}{'pred/meas':>10}"]
     for m in summary["movement_time"]:
@@ -314,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny model and two strategies (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="leave glibc's allocator at its defaults (the movement's buffers then sometimes reuse "
+                             "freed memory, which the movement model does not know)")
     parser.add_argument("--out", default="results", help="folder of memory.jsonl (default results)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -324,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.provenance import commit
 
     cfg, strategies = (SMOKE_MODEL, SMOKE_STRATEGIES) if args.smoke else (MODEL, STRATEGIES)
-    rows = run(cfg, strategies)
+    rows = run(cfg, strategies, allocator=not args.default_allocator)
     params = sum(r["slice_bytes"] for r in rows if r["strategy"] == "4x(tp1)" and r["rank"] == 0) // 4
     summary = {"benchmark": "memory", "commit": commit(), "device": device_name(), "smoke": args.smoke,
+               "allocator": "default" if args.default_allocator else "fresh",
                "model": asdict(cfg), "parameters": params, "ranks": 4, "rows": rows,
                "max_moved_over_ideal": max(max(r["received"] / max(1, r["ideal_received"]),
                                                r["sent"] / max(1, r["ideal_sent"])) for r in rows),
@@ -336,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["max_move_error"] = max(abs(m["pred_over_measured"] - 1) for m in summary["movement_time"])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "memory.jsonl", "a") as f:
-        stamp = {k: summary[k] for k in ("benchmark", "commit", "device", "smoke", "model")}
+        stamp = {k: summary[k] for k in ("benchmark", "commit", "device", "smoke", "allocator", "model")}
         for row in rows:
             f.write(json.dumps({**stamp, **{k: v for k, v in row.items() if k != "links"}}) + "\n")
     if args.json:

@@ -1,18 +1,19 @@
 """What a message between two ranks of this job costs, measured with the movement's own pattern.
 
-Owns :func:`probe_links` (collective): every rank sends a message of n bytes to rank + d and receives one from
-rank - d at once, for every d, as ``runtime.redistribute`` moves parameters and gradients, timed per round for a
-few sizes; a least-squares line ``round = latency + n / bandwidth`` over the sizes gives the latency per message
-and the bandwidth one way. The busiest rank's time counts (a round ends when its slowest pair does). It also
-times how fast every rank at once writes freshly allocated memory (a zeroed buffer of 64 MiB): the
-movement phases' own buffers (the compute copy, its gradient, the receive chunks) are new each step, and on a
-CPU their first touch costs about as much as the transfer. And it times one pair alone (ranks 0 and 1 exchanging
-while the others wait), the fastest of ``PAIR_PROBES`` tries: where ranks share a host's cores, a transfer runs
-faster when fewer run beside it, and where there are fewer cores than ranks a short exchange of two of them
-sometimes runs with both on one core, at half the speed, until the scheduler spreads them (on 4 ranks and 2
-cores one try gave 0.9 GB/s and the next 1.7-2.1); the movement's phases last long enough to be spread. What it
-measures is whatever the backend uses between
-these ranks: gloo over local sockets on a CPU machine, NCCL over NVLink between the GPUs of one node.
+Owns :func:`probe_links` (collective): every rank sends a message of n bytes to rank + d and receives one from rank
+- d at once, for every d, as ``runtime.redistribute`` moves parameters and gradients, timed per round for a few
+sizes; a least-squares line ``round = latency + n / bandwidth`` over the sizes gives the latency per message and
+the bandwidth one way. The busiest rank's time counts (a round ends when its slowest pair does). It also times how
+fast every rank at once writes freshly allocated memory (a zeroed buffer of 64 MiB) and frees it: the movement
+phases' own buffers (the compute copy, its gradient, the shard's gradient, one staging and one receive buffer) are
+new each step, and on a CPU their first touch costs about as much as the transfer; and how fast every rank at once
+adds one 64 MiB buffer into another it wrote before (the movement's gathers and sums). And it times one pair alone
+(ranks 0 and 1 exchanging while the others wait), the fastest of ``PAIR_PROBES`` tries: where ranks share a host's
+cores, a transfer runs faster when fewer run beside it, and where there are fewer cores than ranks a short exchange
+of two of them sometimes runs with both on one core, at half the speed, until the scheduler spreads them (on 4
+ranks and 2 cores one try gave 0.9 GB/s and the next 1.7-2.1); the movement's phases last long enough to be spread.
+What it measures is whatever the backend uses between these ranks: gloo over local sockets on a CPU machine, NCCL
+over NVLink between the GPUs of one node.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ FRESH_PROBE_BYTES = 1 << 26
 serving a block from memory it already holds (32 MiB), so every repeat writes new pages, as the movement's
 buffers of a model of any size do (a smaller buffer is served from reused memory after the first repeat, and
 its rate is that of warm memory)."""
+WARM_PASSES = 4
+"""Adds per timing of the written-memory probe (``FRESH_PROBE_BYTES`` each)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +54,11 @@ class LinkProbe:
     """Start-up of one message, microseconds (0 when the fit's intercept is negative)."""
     fresh_gbps: float
     """GB/s at which every rank at once writes newly allocated memory (the busiest rank's median)."""
+    freed_gbps: float
+    """GB/s at which every rank at once frees such memory (the busiest rank's median)."""
+    warm_gbps: float
+    """GB/s at which every rank at once adds a buffer it wrote before into another (the busiest rank's
+    median; bytes of one operand)."""
     pair_gbps: float
     """Bandwidth one way, GB/s, of one pair exchanging while every other rank waits (the fastest of
     ``PAIR_PROBES`` tries)."""
@@ -62,10 +70,14 @@ class LinkProbe:
         transfer at most the pair's speed, all at once sharing ``world`` times the every-rank speed, the
         probed latency and fresh-memory rate."""
         return Links(gpus_per_node=world, intra_gbps=self.pair_gbps, inter_gbps=self.pair_gbps,
-                     latency_us=self.latency_us, fresh_gbps=self.fresh_gbps, host_gbps=world * self.gbps)
+                     latency_us=self.latency_us, fresh_gbps=self.fresh_gbps, freed_gbps=self.freed_gbps,
+                     warm_gbps=self.warm_gbps,
+                     host_gbps=world * self.gbps)
 
     def to_dict(self) -> dict:
         return {"gbps": self.gbps, "latency_us": self.latency_us, "fresh_gbps": self.fresh_gbps,
+                "freed_gbps": self.freed_gbps,
+                "warm_gbps": self.warm_gbps,
                 "pair_gbps": self.pair_gbps,
                 "round_ms": [[n, round(ms, 4)] for n, ms in self.round_ms]}
 
@@ -89,12 +101,15 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
             comm.exchange([(out, 1 - rank)], [(into, 1 - rank)])
 
     rows = [(nbytes, _busiest_median_ms(nbytes, repeats, device, all_rounds) / (world - 1)) for nbytes in sizes]
-    fresh = _fresh_write_ms(FRESH_PROBE_BYTES, repeats, device)
+    fresh, freed = _fresh_write_ms(FRESH_PROBE_BYTES, repeats, device)
+    warm = _warm_add_ms(FRESH_PROBE_BYTES, repeats, device)
     slope, intercept = _fit(rows)
     pair_slope = min(_fit([(nbytes, _busiest_median_ms(nbytes, repeats, device, pair_alone)) for nbytes in sizes])[0]
                      for _ in range(PAIR_PROBES))
     return LinkProbe(gbps=float(1 / (slope * 1e6)), latency_us=max(0.0, float(intercept) * 1e3),
-                     fresh_gbps=FRESH_PROBE_BYTES / (fresh * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
+                     fresh_gbps=FRESH_PROBE_BYTES / (fresh * 1e6),
+                     freed_gbps=FRESH_PROBE_BYTES / (max(freed, 1e-6) * 1e6),
+                     warm_gbps=FRESH_PROBE_BYTES / (warm * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
                      round_ms=tuple(rows))
 
 
@@ -127,16 +142,39 @@ def _busiest_median_ms(nbytes: int, repeats: int, device: torch.device | str,
     return float(busiest.item())
 
 
-def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
-    """The busiest rank's median ms to allocate and zero ``nbytes``, every rank at once."""
+def _warm_add_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
+    """The busiest rank's median ms to add one ``nbytes`` buffer into another, both written before, every rank
+    at once (timed over ``WARM_PASSES`` adds: one alone is shorter than a time slice of a core the ranks share)."""
+    into = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    source = torch.ones_like(into)
     times = []
+    for i in range(repeats + 1):
+        comm.barrier()
+        started = time.perf_counter()
+        for _ in range(WARM_PASSES):
+            into.add_(source)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append((time.perf_counter() - started) * 1e3)
+    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
+    return float(busiest.item()) / WARM_PASSES
+
+
+def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> tuple[float, float]:
+    """The busiest rank's median ms to allocate and zero ``nbytes``, and to free them, every rank at once."""
+    written, freed = [], []
     for _ in range(repeats):
         comm.barrier()
         started = time.perf_counter()
         buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - started) * 1e3)
+        written.append((time.perf_counter() - started) * 1e3)
+        comm.barrier()
+        started = time.perf_counter()
         del buffer
-    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
-    return float(busiest.item())
+        freed.append((time.perf_counter() - started) * 1e3)
+    busiest = comm.all_reduce(torch.tensor([statistics.median(written), statistics.median(freed)],
+                                           dtype=torch.float64), op="max")
+    return float(busiest[0]), float(busiest[1])

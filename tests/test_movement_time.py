@@ -77,11 +77,35 @@ def test_two_ranks_by_hand():
     chunked = movement_time(layout, strategy, Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=1000),
                             chunk_numel=10**8)  # ten chunks of a millisecond's start-up each
     assert chunked.pull_ms == pytest.approx(2000.0 + 10.0)
-    # new buffers at 1 GB/s: the pull writes the 2e9-element compute copy and its gradient buffer in bf16 (8 GB),
-    # the push the fp32 shard gradient (4 GB) and the 1e9 fp32 gradients it receives (4 GB)
+    # new buffers written at 1 GB/s: the pull writes the 2e9-element compute copy and its gradient buffer in bf16
+    # (8 GB) and one staging buffer for the 1e9 elements it casts to bf16 and sends (2 GB); the push the fp32
+    # shard gradient (4 GB), one receive buffer for its 1e9 fp32 gradients in (4 GB) and one buffer for the 1e9
+    # bf16 gradients it casts to fp32 and sends (4 GB)
     fresh = movement_time(layout, strategy, Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=0,
                                                    fresh_gbps=1), chunk_numel=1 << 40)
-    assert (fresh.pull_ms, fresh.push_ms) == pytest.approx((2000.0 + 8000.0, 4000.0 + 8000.0))
+    assert (fresh.pull_ms, fresh.push_ms) == pytest.approx((2000.0 + 8000.0 + 2000.0, 4000.0 + 8000.0 + 4000.0))
+    # freed at 2 GB/s and written memory added at 4: the pull frees its staging buffer (2 GB) and casts 2 GB;
+    # the push frees the gradient buffer (4 GB), the receive and the cast buffers (4 GB each), adds its own and
+    # the received gradients into the shard's (8 GB) and casts 4 GB
+    memory = movement_time(layout, strategy, Links(gpus_per_node=2, intra_gbps=1, inter_gbps=1, latency_us=0,
+                                                    fresh_gbps=1, freed_gbps=2, warm_gbps=4), chunk_numel=1 << 40)
+    assert memory.pull_ms == pytest.approx(fresh.pull_ms + 1000.0 + 500.0)
+    assert memory.push_ms == pytest.approx(fresh.push_ms + 6000.0 + 2000.0 + 1000.0)
+
+
+def test_only_messages_from_several_ranges_are_gathered():
+    # fp32 parameters and gradients (nothing cast): owner 0 holds [0, 2e9) and serves [0, 1e9) and [1.5e9, 2e9),
+    # two ranges, so it gathers its 1.5e9 elements for rank 1; owner 1 holds [2e9, 4e9) and serves [2e9, 3e9),
+    # one range, sent as it lies
+    layout = ComputeLayout(numel=4_000_000_000, ranges={(ParallelScheme(), 0, 0): (
+        (0, 1_000_000_000), (1_500_000_000, 3_000_000_000))})
+    fast = dict(gpus_per_node=2, intra_gbps=1000, inter_gbps=1000, latency_us=0)
+    plain = movement_time(layout, Strategy.parse("2x(tp1)"), Links(**fast), param_bytes=4, chunk_numel=1 << 40)
+    warm = movement_time(layout, Strategy.parse("2x(tp1)"), Links(**fast, warm_gbps=1), param_bytes=4,
+                         chunk_numel=1 << 40)
+    assert warm.pull_ms - plain.pull_ms == pytest.approx(6000.0)  # owner 0 copies 6 GB; owner 1 nothing
+    # the push adds each owner's own and received gradients: owner 0 twice 1.5e9 fp32 elements, owner 1 twice 1e9
+    assert warm.push_ms - plain.push_ms == pytest.approx(12000.0)
 
 
 def test_transfers_sharing_a_host_by_hand():

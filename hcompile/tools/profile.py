@@ -384,6 +384,7 @@ class ProfileReport:
             host = self.links.host_links(max(2, *self.job.tps))
             links = {"intra_gbps": round(host.intra_gbps, 4), "latency_us": round(host.latency_us, 2),
                      "inter_gbps": round(host.inter_gbps, 4), "fresh_gbps": round(self.links.fresh_gbps, 4),
+                     "freed_gbps": round(self.links.freed_gbps, 4), "warm_gbps": round(self.links.warm_gbps, 4),
                      "host_gbps": round(host.host_gbps or 0.0, 4)}
         return {
             "hardware": {"name": self.job.device, "gpu": self.device, "gpus_per_node": self.job.gpus,

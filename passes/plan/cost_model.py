@@ -198,8 +198,9 @@ class Profile:
 
 def _links(hw: dict, label: str) -> Links | None:
     """The measured links of a profile's ``hardware`` entry (``intra_gbps``, ``inter_gbps``, ``latency_us``, and
-    ``fresh_gbps`` where new memory is slow to write and ``host_gbps`` where the ranks share a host's cores: CPU
-    machines), None when it has none."""
+    ``fresh_gbps`` and ``freed_gbps`` where new memory is slow to write and to free, ``warm_gbps`` where copies
+    between buffers count and ``host_gbps`` where the ranks share a host's cores: CPU machines), None when it has
+    none."""
     names = ("intra_gbps", "inter_gbps", "latency_us")
     if not any(n in hw for n in names):
         return None
@@ -207,12 +208,14 @@ def _links(hw: dict, label: str) -> Links | None:
     if missing:
         raise PlanError(f"profile {label}: the hardware entry gives links without {', '.join(missing)}")
     fresh = _finite(hw["fresh_gbps"], "fresh_gbps", label, positive=True) if "fresh_gbps" in hw else None
+    freed = _finite(hw["freed_gbps"], "freed_gbps", label, positive=True) if "freed_gbps" in hw else None
+    warm = _finite(hw["warm_gbps"], "warm_gbps", label, positive=True) if "warm_gbps" in hw else None
     host = _finite(hw["host_gbps"], "host_gbps", label, positive=True) if "host_gbps" in hw else None
     return Links(gpus_per_node=_whole(hw["gpus_per_node"], "gpus_per_node", label),
                  intra_gbps=_finite(hw["intra_gbps"], "intra_gbps", label, positive=True),
                  inter_gbps=_finite(hw["inter_gbps"], "inter_gbps", label, positive=True),
                  latency_us=_finite(hw["latency_us"], "latency_us", label),
-                 fresh_gbps=fresh, host_gbps=host)
+                 fresh_gbps=fresh, freed_gbps=freed, warm_gbps=warm, host_gbps=host)
 
 
 def _whole(value: object, field: str, where: str) -> int:

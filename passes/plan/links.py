@@ -34,6 +34,12 @@ class Links:
     fresh_gbps: float | None = None
     """GB/s at which a rank writes newly allocated memory (the movement phases' buffers are new each step);
     None: not counted (on GPUs the caching allocator reuses them and HBM writes them in microseconds)."""
+    freed_gbps: float | None = None
+    """GB/s at which a rank frees such buffers (a CPU gives their pages back; None: not counted)."""
+    warm_gbps: float | None = None
+    """GB/s at which a rank adds a buffer it has written before into another, every rank at once (the
+    movement's copies and sums: gathering a message, adding received gradients into the shard's); None: not
+    counted (HBM does them in microseconds)."""
     host_gbps: float | None = None
     """GB/s that all the transfers running at once share, where the ranks share one host's cores (local CPU
     ranks: a transfer is a copy by the ranks' own threads), each transfer still at most its link's speed;
@@ -49,7 +55,7 @@ class Links:
         value = self.latency_us
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise PlanError(f"latency_us must be a finite number >= 0, got {value!r}")
-        for name in ("fresh_gbps", "host_gbps"):
+        for name in ("fresh_gbps", "freed_gbps", "warm_gbps", "host_gbps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
@@ -58,6 +64,14 @@ class Links:
     def fresh_ms(self, nbytes: float) -> float:
         """Milliseconds to write ``nbytes`` of newly allocated memory (0 when not counted)."""
         return 0.0 if self.fresh_gbps is None else nbytes / (self.fresh_gbps * 1e6)
+
+    def freed_ms(self, nbytes: float) -> float:
+        """Milliseconds to free ``nbytes`` of buffers (0 when not counted)."""
+        return 0.0 if self.freed_gbps is None else nbytes / (self.freed_gbps * 1e6)
+
+    def warm_ms(self, nbytes: float) -> float:
+        """Milliseconds to copy or add ``nbytes`` between buffers written before (0 when not counted)."""
+        return 0.0 if self.warm_gbps is None else nbytes / (self.warm_gbps * 1e6)
 
     def message_ms(self, nbytes: float, same_node: bool, messages: int = 1) -> float:
         """Milliseconds to send ``nbytes`` in ``messages`` messages over the link between two ranks."""
@@ -68,7 +82,7 @@ class Links:
         """The JSON form (a profile's ``hardware`` entries)."""
         out = {"gpus_per_node": self.gpus_per_node, "intra_gbps": self.intra_gbps, "inter_gbps": self.inter_gbps,
                "latency_us": self.latency_us}
-        for name in ("fresh_gbps", "host_gbps"):
+        for name in ("fresh_gbps", "freed_gbps", "warm_gbps", "host_gbps"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out

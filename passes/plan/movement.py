@@ -307,25 +307,78 @@ def shared_transfer_ms(nbytes: np.ndarray, gbps: np.ndarray, host_gbps: float) -
     return done
 
 
+SHARD_BYTES = 4
+"""Bytes of one element of the owners' shards (fp32 master weights and their gradients)."""
+
+
+def _owner_parts(layout: ComputeLayout, place: Place, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per owner k of ``world`` and region g: the elements of k's share of g that ``place`` computes with, and
+    in how many separate ranges of the shard they lie (more than one: the runtime gathers the message)."""
+    prefix = layout.needs(place)
+    elements = np.zeros((world, len(layout.regions)), dtype=np.int64)
+    ranges = np.zeros_like(elements)
+    for g, ((lo, hi), share) in enumerate(zip(layout.regions, region_shares(layout.regions, world))):
+        cuts = [min(hi, lo + share * k) for k in range(world + 1)]
+        upto = [prefix.upto(c) for c in cuts]
+        for k in range(world):
+            a, b = cuts[k], cuts[k + 1]
+            elements[k, g] = upto[k + 1] - upto[k]
+            ranges[k, g] = bisect.bisect_left(prefix.starts, b) - bisect.bisect_right(prefix.ends, a)
+    return elements, ranges
+
+
+def _buffer_ms(layout: ComputeLayout, strategy: Strategy, links: Links, param_bytes: int, reduce_bytes: int,
+               chunk_numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the ms its pull and its push spend on memory besides the transfers, as the runtime spends it
+    (``runtime.redistribute`` and the executor): new buffers written at ``links.fresh_gbps`` and freed at
+    ``links.freed_gbps``, copies and sums between written ones at ``links.warm_gbps``. Pull: the compute copy
+    and its zeroed gradient buffer, one staging buffer (written and freed) for the messages it gathers from
+    several ranges of its shard or casts (the largest of them) and the gathering itself. Push: the zeroed
+    fp32 shard gradient, one receive buffer (its largest message) and, where the gradients' dtype is not the
+    reduction's, one cast buffer and the cast itself, both freed with the gradient buffer at the end; and the
+    sums into the shard gradient of its own and every received gradient."""
+    where = places(strategy, links.gpus_per_node)
+    world = len(where)
+    parts = {p: _owner_parts(layout, p, world) for p in dict.fromkeys(where)}
+    elements = np.stack([parts[p][0] for p in where], axis=1)  # [owner k, rank r, region g]
+    gathered = np.stack([parts[p][1] for p in where], axis=1) > 1
+    local = elements[np.arange(world), np.arange(world)].sum(axis=1)
+    elements[np.arange(world), np.arange(world)] = 0
+    needs = elements.sum(axis=(0, 2)) + local
+    served = elements.sum(axis=(1, 2))
+    message = np.minimum(elements, chunk_numel)
+    if param_bytes != SHARD_BYTES:
+        gathered = elements > 0  # every message is cast
+    staged = np.where(gathered, message, 0).max(axis=(1, 2), initial=0)
+    gathers = np.where(gathered, elements, 0).sum(axis=(1, 2))
+    pull = (links.fresh_ms(1) * (2 * needs + staged) + links.freed_ms(1) * staged
+            + links.warm_ms(1) * gathers) * param_bytes
+    inbox = message.max(axis=(1, 2), initial=0) * reduce_bytes
+    push = (links.fresh_ms(1) * (SHARD_BYTES * layout.shard_numel(world) + inbox)
+            + links.freed_ms(1) * (needs * param_bytes + inbox) + links.warm_ms(1) * (local + served) * SHARD_BYTES)
+    if param_bytes != reduce_bytes:
+        cast = message.max(axis=(0, 2), initial=0) * reduce_bytes
+        push += (links.fresh_ms(1) + links.freed_ms(1)) * cast + links.warm_ms(1) * (needs - local) * reduce_bytes
+    return pull, push
+
+
 def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, param_bytes: int = 2,
                   reduce_bytes: int = 4, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
                   columns: dict[tuple[Place, int], np.ndarray] | None = None) -> MovementTime:
     """The pull and push of ``strategy`` on ``links`` (ranks ``n * gpus_per_node ..`` on node n). With
-    ``links.host_gbps`` a round's transfers share it (:func:`shared_transfer_ms`). With ``links.fresh_gbps``,
-    each rank also writes its phases' new buffers at that rate: in the pull its compute copy and the zeroed
-    gradient buffer (in the compute dtype), in the push the zeroed fp32 shard gradient and the chunks it
-    receives."""
+    ``links.host_gbps`` a round's transfers share it (:func:`shared_transfer_ms`). With ``links.fresh_gbps``
+    or ``links.warm_gbps``, each rank also spends the time its phases' own memory work takes
+    (:func:`_buffer_ms`)."""
     if chunk_numel < 1:
         raise PlanError(f"chunk_numel must be positive, got {chunk_numel!r}")
     elements = pair_elements(layout, strategy, links.gpus_per_node, columns)
-    needs = elements.sum(axis=0)
     np.fill_diagonal(elements, 0)
-    served = elements.sum(axis=1)
     node = np.arange(elements.shape[0]) // links.gpus_per_node
-    shard = layout.shard_numel(max(1, elements.shape[0]))
-    pull = _rounds_ready(elements, node, links, param_bytes, chunk_numel) + links.fresh_ms(1) * 2 * needs * param_bytes
-    push = (_rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
-            + links.fresh_ms(1) * (4 * shard + served * reduce_bytes))
+    pull = _rounds_ready(elements, node, links, param_bytes, chunk_numel)
+    push = _rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
+    if links.fresh_gbps is not None or links.warm_gbps is not None:
+        pull_memory, push_memory = _buffer_ms(layout, strategy, links, param_bytes, reduce_bytes, chunk_numel)
+        pull, push = pull + pull_memory, push + push_memory
     return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)))
 
 
