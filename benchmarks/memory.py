@@ -39,6 +39,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -282,17 +283,8 @@ def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4, allocator
     ``allocator`` is False)."""
     from hcompile.tools.spawn import run_local_ranks
 
-    saved = {name: os.environ.get(name) for name in FRESH_ALLOCATOR}
-    if allocator:
-        os.environ.update(FRESH_ALLOCATOR)
-    try:
+    with mock.patch.dict(os.environ, FRESH_ALLOCATOR if allocator else {}):  # the spawned ranks inherit it
         per_rank = run_local_ranks(world, _rank, cfg, strategies, timeout_s=1200)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return [row for rows in zip(*per_rank) for row in rows]
 
 

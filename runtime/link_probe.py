@@ -102,7 +102,8 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
 
     rows = [(nbytes, _busiest_median_ms(nbytes, repeats, device, all_rounds) / (world - 1)) for nbytes in sizes]
     fresh, freed = _fresh_write_ms(FRESH_PROBE_BYTES, repeats, device)
-    warm = _warm_add_ms(FRESH_PROBE_BYTES, repeats, device)
+    # WARM_PASSES adds per timing: one alone is shorter than a time slice of a core the ranks share
+    warm = _busiest_median_ms(FRESH_PROBE_BYTES, repeats, device, _add_passes) / WARM_PASSES
     slope, intercept = _fit(rows)
     pair_slope = min(_fit([(nbytes, _busiest_median_ms(nbytes, repeats, device, pair_alone)) for nbytes in sizes])[0]
                      for _ in range(PAIR_PROBES))
@@ -111,6 +112,12 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
                      freed_gbps=FRESH_PROBE_BYTES / (max(freed, 1e-6) * 1e6),
                      warm_gbps=FRESH_PROBE_BYTES / (warm * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
                      round_ms=tuple(rows))
+
+
+def _add_passes(source: torch.Tensor, into: torch.Tensor) -> None:
+    """``WARM_PASSES`` times, add ``source`` into ``into`` (the written-memory probe's timed work)."""
+    for _ in range(WARM_PASSES):
+        into.add_(source)
 
 
 def _fit(rows: list[tuple[int, float]]) -> tuple[float, float]:
@@ -140,25 +147,6 @@ def _busiest_median_ms(nbytes: int, repeats: int, device: torch.device | str,
             times.append((time.perf_counter() - started) * 1e3)
     busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
     return float(busiest.item())
-
-
-def _warm_add_ms(nbytes: int, repeats: int, device: torch.device | str) -> float:
-    """The busiest rank's median ms to add one ``nbytes`` buffer into another, both written before, every rank
-    at once (timed over ``WARM_PASSES`` adds: one alone is shorter than a time slice of a core the ranks share)."""
-    into = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    source = torch.ones_like(into)
-    times = []
-    for i in range(repeats + 1):
-        comm.barrier()
-        started = time.perf_counter()
-        for _ in range(WARM_PASSES):
-            into.add_(source)
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append((time.perf_counter() - started) * 1e3)
-    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
-    return float(busiest.item()) / WARM_PASSES
 
 
 def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> tuple[float, float]:

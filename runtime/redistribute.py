@@ -140,7 +140,12 @@ class Redistribution:
                 flat[at:at + n].copy_(shard[off:off + n])
         size = flat.element_size()
         sent = received = 0
-        staging = self._staging(self.serve_parts, flat.dtype, layout.shard.dtype, flat.device)
+        # one buffer for the messages gathered from several ranges of the shard or cast, reused message after
+        # message (each exchange completes before the next is posted); none when every message is a view
+        cast = flat.dtype != shard.dtype
+        staged = self._largest_message([[total(part) for part in parts if len(part) > 1 or cast]
+                                        for parts in self.serve_parts])
+        staging = torch.empty(staged, dtype=flat.dtype, device=flat.device) if staged else None
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
             for part, c, n_send, (start, n_recv) in self._messages(self.serve_parts[to], self.segments[frm]):
@@ -154,19 +159,11 @@ class Redistribution:
                 comm.exchange(sends, recvs)
         return Traffic(params_received=received, params_sent=sent)
 
-    def _staging(self, parts: list[list[Ranges]], dtype: torch.dtype, source: torch.dtype,
-                 device: torch.device) -> torch.Tensor | None:
-        """One buffer for this phase's messages gathered from several ranges of the shard (or cast from
-        ``source`` to ``dtype``): as large as the largest of them, reused message after message (each exchange
-        completes before the next is posted); None when every message is a view of the shard."""
-        largest = max((min(self.chunk, total(part)) for j, rank_parts in enumerate(parts) if j != self.rank
-                       for part in rank_parts if len(part) > 1 or dtype != source), default=0)
-        return torch.empty(largest, dtype=dtype, device=device) if largest else None
-
-    def _largest_message(self, spans: list[Ranges]) -> int:
-        """Elements of the largest message over ``spans`` (per other rank, [start, end) spans; chunked)."""
-        return max((min(self.chunk, b - a) for j, rank_spans in enumerate(spans) if j != self.rank
-                    for a, b in rank_spans), default=0)
+    def _largest_message(self, per_rank: list[list[int]]) -> int:
+        """Elements of the largest message to or from another rank, given per rank the element counts of its
+        transfers (each sent in chunks of at most ``chunk``); 0 when there is none."""
+        return max((min(self.chunk, n) for j, counts in enumerate(per_rank) if j != self.rank for n in counts),
+                   default=0)
 
     def _messages(self, send_parts: list[Ranges], recv_segments: Ranges) -> Iterator[tuple[int, int, int, tuple]]:
         """The messages of one round, in the order both ends of each pair post them: per part (region), per
@@ -189,10 +186,11 @@ class Redistribution:
         sent = received = 0
         # one receive buffer and (when the buffer's dtype is not the reduction's) one cast buffer for every
         # message: each exchange completes before the next is posted
-        inbox = torch.empty(self._largest_message([[(0, total(part)) for part in parts] for parts in self.serve_parts]),
+        inbox = torch.empty(self._largest_message([[total(part) for part in parts] for parts in self.serve_parts]),
                             dtype=reduce_dtype, device=grads.device)
         cast = None if grads.dtype == reduce_dtype else torch.empty(
-            self._largest_message(self.segments), dtype=reduce_dtype, device=grads.device)
+            self._largest_message([[b - a for a, b in spans] for spans in self.segments]), dtype=reduce_dtype,
+            device=grads.device)
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
             # the pull's messages reversed: segments of this rank's buffer go out, parts of its shard come in

@@ -217,13 +217,21 @@ def movement_bytes(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int
 
 def _per_owner(layout: ComputeLayout, place: Place, world: int) -> np.ndarray:
     """Per owner k of ``world``: elements of its ranges that ``place`` computes with."""
+    return _owner_parts(layout, place, world)[0].sum(axis=1)
+
+
+def _owner_parts(layout: ComputeLayout, place: Place, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per owner k of ``world`` and region g: the elements of k's share of g that ``place`` computes with, and
+    in how many separate ranges of the shard they lie (more than one: the runtime gathers the message)."""
     prefix = layout.needs(place)
-    out = np.zeros(world, dtype=np.int64)
+    starts, ends = np.asarray(prefix.starts, dtype=np.int64), np.asarray(prefix.ends, dtype=np.int64)
+    elements, ranges = [], []
     for (lo, hi), share in zip(layout.regions, region_shares(layout.regions, world)):
-        cuts = np.minimum(hi, lo + share * np.arange(world + 1))
-        counts: np.ndarray = np.array([prefix.upto(int(c)) for c in cuts], dtype=np.int64)
-        out += counts[1:] - counts[:-1]
-    return out
+        cuts = np.minimum(hi, lo + share * np.arange(world + 1))  # owner k's share: [cuts[k], cuts[k + 1])
+        upto = np.array([prefix.upto(int(c)) for c in cuts], dtype=np.int64)
+        elements.append(upto[1:] - upto[:-1])
+        ranges.append(np.searchsorted(starts, cuts[1:], side="left") - np.searchsorted(ends, cuts[:-1], side="right"))
+    return np.stack(elements, axis=1), np.stack(ranges, axis=1)
 
 
 def pair_elements(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int,
@@ -309,22 +317,6 @@ def shared_transfer_ms(nbytes: np.ndarray, gbps: np.ndarray, host_gbps: float) -
 
 SHARD_BYTES = 4
 """Bytes of one element of the owners' shards (fp32 master weights and their gradients)."""
-
-
-def _owner_parts(layout: ComputeLayout, place: Place, world: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per owner k of ``world`` and region g: the elements of k's share of g that ``place`` computes with, and
-    in how many separate ranges of the shard they lie (more than one: the runtime gathers the message)."""
-    prefix = layout.needs(place)
-    elements = np.zeros((world, len(layout.regions)), dtype=np.int64)
-    ranges = np.zeros_like(elements)
-    for g, ((lo, hi), share) in enumerate(zip(layout.regions, region_shares(layout.regions, world))):
-        cuts = [min(hi, lo + share * k) for k in range(world + 1)]
-        upto = [prefix.upto(c) for c in cuts]
-        for k in range(world):
-            a, b = cuts[k], cuts[k + 1]
-            elements[k, g] = upto[k + 1] - upto[k]
-            ranges[k, g] = bisect.bisect_left(prefix.starts, b) - bisect.bisect_right(prefix.ends, a)
-    return elements, ranges
 
 
 def _buffer_ms(layout: ComputeLayout, strategy: Strategy, links: Links, param_bytes: int, reduce_bytes: int,
