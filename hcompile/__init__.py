@@ -6,9 +6,11 @@ every other package."""
 
 from hcompile.api import CompiledModel, compile, hydraulis
 from hcompile.capture import Captured, CaptureError, capture
+from hcompile.export import ExportError
 from hcompile.init import empty_init, normal_init
 from hcompile.train import Trainer, TrainOptions
 from hcompile.verify import LoweringError
+from runtime.executor import NonFiniteError
 
-__all__ = ["CaptureError", "Captured", "CompiledModel", "LoweringError", "TrainOptions", "Trainer", "capture",
-           "compile", "empty_init", "hydraulis", "normal_init"]
+__all__ = ["CaptureError", "Captured", "CompiledModel", "ExportError", "LoweringError", "NonFiniteError",
+           "TrainOptions", "Trainer", "capture", "compile", "empty_init", "hydraulis", "normal_init"]

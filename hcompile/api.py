@@ -36,6 +36,9 @@ class CompiledModel:
     def __init__(self, model: nn.Module, *, buckets: TokenBuckets | None = None,
                  compile_backend: str = "auto", kernel: str = "auto") -> None:
         check_kernel(kernel)
+        if next(model.parameters(), None) is None:
+            raise ValueError(f"{type(model).__name__} has no parameters: hcompile compiles a model to train its "
+                             f"parameters, and this one has none to train")
         if not isinstance(compile_backend, str) or not compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name or 'auto', got {compile_backend!r}")
         self.model = model

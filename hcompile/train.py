@@ -50,7 +50,7 @@ from runtime.batch_check import agree_on_batch
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import DEFAULT_KEEP, load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
-from runtime.executor import Executor
+from runtime.executor import NON_FINITE_POLICIES, Executor, setting_problem
 from runtime.fixed_layout import FixedLayout, Init, fill_layout
 from runtime.loss import global_pair_count
 from runtime.measure import StepStats, TakeTurns
@@ -127,6 +127,11 @@ class TrainOptions:
     planner's memory model yet."""
     movement_pieces: int = 4
     """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
+    non_finite: str = "raise"
+    """A step whose loss or gradient norm is NaN or infinite: ``"raise"`` (a ``NonFiniteError`` on every rank
+    naming the step, before the optimiser changes anything) or ``"skip"`` (no optimiser step, as mixed-precision
+    loss scalers do; counted in ``StepStats.non_finite_skips``). Non-finite optimiser settings (an ``lr`` a
+    scheduler set to NaN) and non-finite master weights are a ``NonFiniteError`` either way."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -148,6 +153,11 @@ class TrainOptions:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tokens_per_rank must be a positive integer or None, got {value!r}")
         _check_optimizer(self.optimizer, self.elementwise_optimizer)
+        if (problem := setting_problem(self.optimizer_kwargs)) is not None:
+            raise ValueError(f"optimizer_kwargs must be finite numbers, got {problem}: every weight would become "
+                             f"NaN at the first step")
+        if self.non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {self.non_finite!r}")
         if isinstance(self.strategies, str) and self.strategies != "auto":  # one strategy, not its characters
             object.__setattr__(self, "strategies", (self.strategies,))
         if self.strategies != "auto":
@@ -196,7 +206,8 @@ class Trainer:
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, param_dtype=self.param_dtype,
                                  reduce_dtype=options.reduce_dtype, overlap=options.overlap_movement,
-                                 hooks=[TakeTurns()] if options.replicas_take_turns else [])
+                                 hooks=[TakeTurns()] if options.replicas_take_turns else [],
+                                 non_finite=options.non_finite)
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel)
         if cost_model is not None:
@@ -353,7 +364,9 @@ class Trainer:
         """Train on one global batch (the same list of 1-D token tensors on every rank); ``strategy`` forces one.
         A batch's plan is made when it is called, so nothing hides the planning. Given an iterator of global
         batches instead, it trains on the next one while rank 0 plans the one after, keeping it (checked) for
-        the next call with the same iterator; None when the iterator is exhausted. ``fit`` is that loop."""
+        the next call with the same iterator; None when the iterator is exhausted. ``fit`` is that loop. A step
+        whose loss, gradient norm, master weights or optimiser settings are not finite is a ``NonFiniteError``
+        on every rank before the optimiser changes anything (``TrainOptions.non_finite``)."""
         if isinstance(batch, Iterator):
             if strategy is not None:
                 raise ValueError("strategy= forces one batch's strategy; pass a batch, not an iterator, with it")
@@ -416,7 +429,8 @@ class Trainer:
             self.calibration.observe(planned.plan, stats.busy_ms)
             self._service.set_cost_model(self.calibration.model())
         return dataclasses.replace(stats, compilations=self.lowerings.compilations(), plan_ms=planned.plan_ms,
-                                   plan_hidden=planned.hidden, plan_window=planned.window)
+                                   plan_hidden=planned.hidden, plan_window=planned.window,
+                                   non_finite_skips=self.executor.non_finite_skips)
 
     def _skip(self, seq_lens: Sequence[int], upcoming: tuple[int, ...] | None) -> StepStats:
         """A batch without a next-token pair (only 1-token sequences): nothing runs and nothing changes (no
@@ -430,7 +444,7 @@ class Trainer:
         world = self.ctx.world_size
         return StepStats(loss=0.0, tokens=sum(seq_lens), strategy="", busy_ms=(0.0,) * world, wall_ms=0.0,
                          compilations=self.lowerings.compilations(), traffic=Traffic(),
-                         tokens_computed=(0,) * world, skipped=True)
+                         tokens_computed=(0,) * world, skipped=True, non_finite_skips=self.executor.non_finite_skips)
 
     def save(self, path: str, step: int, data_position: Any, keep: int = DEFAULT_KEEP) -> None:
         """Checkpoint the fixed layout, optimiser state, RNG, step, data position, strategy pool and cost-model
@@ -455,6 +469,7 @@ class Trainer:
         replace what the checkpoint held, which one logged line names."""
         explicit = set(self.options.optimizer_kwargs)
         meta = load_checkpoint(path, self.layout, self.optimizer, override=explicit, check_extra=_extra_problem)
+        self.executor.steps_run = meta["step"]  # the steps after a resume are numbered on from the saved step
         extra = meta["extra"]
         held = [f"{k}={g[k]!r}" for g in meta["optimizer"]["param_groups"][:1] for k in sorted(explicit)
                 if k in g and g[k] != _plain(self.options.optimizer_kwargs[k])]

@@ -10,26 +10,34 @@ parameter's ranges are, the sha256 and size of every rank file, the optimiser's 
 what the trainer adds (its strategy pool, the cost-model calibration).
 
 Saving refuses a data position JSON would not give back exactly and non-finite master weights or optimiser
-state, writes a new version beside the current one, flushes every file to disk, agrees that every rank
-succeeded, and only then points ``LATEST`` at it (an atomic rename) and removes older versions beyond the
-last ``keep``: only folders it recognises as its own versions, by name and by its marker inside; nothing
-else in the folder is ever touched. A crash at any moment leaves ``LATEST`` naming a complete checkpoint.
+state, takes the folder's lock (``.hydraulis-lock``: an exclusive ``flock`` held by rank 0 for the whole save,
+the file naming its host and pid; a save into a folder another save holds is refused, a lock whose owner is
+gone is taken over), writes a new version beside the current one, flushes every file to disk, agrees that
+every rank succeeded, and only then points ``LATEST`` at it (written under a name of its own save, then an
+atomic rename) and removes older versions beyond the last ``keep``: only folders it recognises as its own
+versions, by name and by its marker inside; nothing else in the folder is ever touched. A crash at any moment
+leaves ``LATEST`` naming a complete checkpoint.
 Loading reads safetensors and JSON only (no pickle, so a crafted file runs no code); every rank checks the
-metadata's types, the checksum of every file it reads and that the values are finite, reads what it needs
-for its shard (any number of ranks, any strategy pool) into memory, the ranks agree that all of them
-succeeded, and only then is anything changed.
+metadata's types, the checksum of every file it reads, every piece's dtype (float32) and element count
+against the layout and that the values are finite, reads what it needs for its shard (any number of ranks,
+any strategy pool) into memory, the ranks agree that all of them succeeded, and only then is anything
+changed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 
@@ -37,7 +45,8 @@ from runtime import distributed as comm
 from runtime.checkpoint_meta import group_problem, json_problem, meta_problem
 from runtime.fixed_layout import FixedLayout
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT", "MARKER", "DEFAULT_KEEP"]
+__all__ = ["save_checkpoint", "load_checkpoint", "folder_lock", "CheckpointError", "FORMAT", "MARKER", "LOCK",
+           "DEFAULT_KEEP"]
 
 FORMAT = 3
 """Version of the on-disk format (3: rank files' checksums in ``meta.json``, a marker in every version)."""
@@ -45,8 +54,11 @@ MARKER = ".hydraulis-version"
 """The file every version folder a save writes holds; clean-up removes only folders that have it."""
 DEFAULT_KEEP = 1
 """Versions a save keeps by default: the one it wrote."""
+LOCK = ".hydraulis-lock"
+"""The lock file a save holds in the checkpoint folder (removed when the save ends)."""
 _VERSION = re.compile(r"v\d{8,}-[0-9a-f]+")
 _STALE = re.compile(r"\.v\d{8,}-[0-9a-f]+\.tmp")
+_STALE_LATEST = re.compile(r"\.LATEST\.v\d{8,}-[0-9a-f]+\.tmp")
 
 
 class CheckpointError(RuntimeError):
@@ -123,22 +135,35 @@ def _save_problem(step: Any, data_position: Any, keep: Any) -> str | None:
 def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
                     data_position: Any, extra: dict | None = None, keep: int = DEFAULT_KEEP) -> None:
     """Collective: write a new version of the checkpoint at ``path``, make it the current one, and remove this
-    checkpoint's versions older than the last ``keep`` (nothing else in ``path`` is touched)."""
+    checkpoint's versions older than the last ``keep`` (nothing else in ``path`` is touched). A folder another
+    save holds (its lock, ``.hydraulis-lock``, names the host and pid) is refused on every rank, unchanged."""
     _agree(_save_problem(step, data_position, keep), "saving the checkpoint")
     path = Path(path)
-    version = [comm.broadcast_object(f"v{step:08d}-{time.time_ns():x}")]  # rank 0's name, everywhere
-    tmp = path / f".{version[0]}.tmp"
-    error = None
-    try:
-        if layout.rank == 0:
-            if path.exists() and not path.is_dir():
-                raise CheckpointError(f"{str(path)!r} is a file, expected a checkpoint folder")
-            path.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": version[0]}) + "\n")
-    except (OSError, CheckpointError) as exc:
-        error = str(exc)
-    _agree(error, "creating the checkpoint folder")
+    version = comm.broadcast_object(f"v{step:08d}-{time.time_ns():x}")  # rank 0's name, everywhere
+    with contextlib.ExitStack() as held:
+        error = None
+        try:
+            if layout.rank == 0:
+                if path.exists() and not path.is_dir():
+                    raise CheckpointError(f"{str(path)!r} is a file, expected a checkpoint folder")
+                path.mkdir(parents=True, exist_ok=True)
+                held.enter_context(folder_lock(path))
+                tmp = path / f".{version}.tmp"
+                tmp.mkdir()
+                (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": version}) + "\n")
+        except (OSError, CheckpointError) as exc:
+            error = str(exc)
+        _agree(error, "creating the checkpoint folder")
+        error = _write_and_publish(path, version, layout, optimizer, step, data_position, extra, keep)
+    _agree(error, "publishing the checkpoint")  # the lock is released: a save that returned holds none
+
+
+def _write_and_publish(path: Path, version: str, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
+                       data_position: Any, extra: dict | None, keep: int) -> str | None:
+    """Every rank writes its file into the new version; once all did, rank 0 writes ``meta.json``, makes the
+    version current and removes old ones (rank 0 holds the folder's lock). Returns rank 0's publishing error
+    (None: published), for every rank to agree on."""
+    tmp = path / f".{version}.tmp"
     error, digest = None, None
     try:
         digest = _write_rank_file(tmp, layout, optimizer)
@@ -155,12 +180,89 @@ def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.opti
         if layout.rank == 0:
             files = {f"rank{r}.safetensors": d for r, d in enumerate(digests)}
             _write_meta(tmp, layout, optimizer, step, data_position, extra, files)
-            _publish(path, tmp, version[0])
-            _remove_old_versions(path, version[0], keep)
+            _publish(path, tmp, version)
+            _remove_old_versions(path, version, keep)
     except Exception as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
         shutil.rmtree(tmp, ignore_errors=True)
-    _agree(error, "publishing the checkpoint")
+    return error
+
+
+@contextlib.contextmanager
+def folder_lock(path: Path) -> Iterator[None]:
+    """Hold ``path``'s save lock: an exclusive ``flock`` on ``path/.hydraulis-lock``, which names this host and
+    pid, removed on exit. Held by another process: a CheckpointError naming its owner. A lock file whose owner
+    is gone holds no ``flock`` (the kernel drops it with the process) and is taken over. On a file system
+    without ``flock`` the file alone decides: one naming a live process (or one on another host) refuses."""
+    file = path / LOCK
+    for _ in range(8):  # another save may remove the file between our open and our flock: open it again
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _NO_FLOCK and not _held_elsewhere(file):
+                break
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, *_NO_FLOCK):
+                raise CheckpointError(f"cannot lock {str(file)!r}: {exc}") from None
+            raise CheckpointError(f"{str(path)!r} is being saved by {_owner(file)} (lock file {str(file)!r}): not "
+                                  f"saved; save again once that save has ended, or into another folder") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(file).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    else:
+        raise CheckpointError(f"cannot lock {str(file)!r}: it is replaced as fast as it is opened")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode())
+        os.fsync(fd)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            file.unlink()  # while still held: a save waiting on this file opens it again
+        os.close(fd)
+
+
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+"""What ``flock`` raises on a file system without it (Lustre mounted without ``flock``, some FUSE ones)."""
+
+
+def _held_elsewhere(file: Path) -> bool:
+    """Without ``flock``: whether the lock file names another process that may still run (one on this host
+    that is gone does not hold it; one on another host cannot be asked, so it does)."""
+    try:
+        owner = json.loads(file.read_text() or "null")
+    except (OSError, ValueError):
+        return True
+    if not isinstance(owner, dict):
+        return False  # empty: a lock file its owner never wrote, or ours
+    if owner.get("host") != socket.gethostname():
+        return True
+    pid = owner.get("pid")
+    if type(pid) is not int:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(file: Path) -> str:
+    """Who holds the lock, as its file says."""
+    try:
+        owner = json.loads(file.read_text())
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner["since"])))
+        return f"another process (host {owner['host']}, pid {owner['pid']}, since {since})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (its lock file is being written)"
 
 
 def _write_rank_file(tmp: Path, layout: FixedLayout, optimizer: torch.optim.Optimizer) -> dict:
@@ -190,10 +292,14 @@ def _publish(path: Path, tmp: Path, version: str) -> None:
     """Rename the flushed version into place and point ``LATEST`` at it (an atomic rename)."""
     tmp.rename(path / version)
     _fsync(path)
-    latest = path / ".LATEST.tmp"
-    latest.write_text(version + "\n")
-    _fsync(latest)
-    os.replace(latest, path / "LATEST")
+    latest = path / f".LATEST.{version}.tmp"  # this save's own name: no other save writes it
+    try:
+        latest.write_text(version + "\n")
+        _fsync(latest)
+        os.replace(latest, path / "LATEST")
+    except BaseException:
+        latest.unlink(missing_ok=True)
+        raise
     _fsync(path)
 
 
@@ -211,6 +317,9 @@ def _remove_old_versions(path: Path, current: str, keep: int) -> None:
     stale = [f for f in path.iterdir() if _own_version(f, _STALE)]
     for old in [*versions[keep - 1:], *stale]:
         shutil.rmtree(old, ignore_errors=True)
+    for old in path.iterdir():  # a LATEST a crashed save wrote and did not rename
+        if _STALE_LATEST.fullmatch(old.name) and old.is_file() and not old.is_symlink():
+            old.unlink(missing_ok=True)
 
 
 def _write_meta(folder: Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
@@ -289,6 +398,20 @@ def _verified(folder: Path, meta: dict, rank: int) -> Any:
     return safe_open(str(file), framework="pt")
 
 
+def _piece(file: Any, key: str, numel: int, rank: int) -> Any:
+    """The slice of tensor ``key`` in rank ``rank``'s file, once it is a float32 vector of the ``numel``
+    elements the layout gives that piece (no cast, no cut)."""
+    try:
+        piece = file.get_slice(key)
+    except Exception:  # noqa: BLE001 - safetensors names a missing tensor in its own error types
+        raise CheckpointError(f"rank{rank}.safetensors has no tensor {key!r}") from None
+    dtype, shape = piece.get_dtype(), list(piece.get_shape())
+    if dtype != "F32" or shape != [numel]:
+        raise CheckpointError(f"rank{rank}.safetensors: {key!r} is {dtype} of shape {shape}, the layout expects "
+                              f"F32 of shape [{numel}]")
+    return piece
+
+
 def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
     """This rank's new shard, its per-element and scalar optimiser states, and its RNG state (or None), from
     files whose checksums match, with every value finite."""
@@ -307,9 +430,9 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
             if y <= x:
                 continue
             dst = start + x - a
-            shard[dst:dst + y - x] = opened(rank).get_slice(f"param/{name}/{pa}")[x - pa:y - pa]
+            shard[dst:dst + y - x] = _piece(opened(rank), f"param/{name}/{pa}", pb - pa, rank)[x - pa:y - pa]
             for key, value in states.items():
-                value[dst:dst + y - x] = opened(rank).get_slice(f"{key}/{name}/{pa}")[x - pa:y - pa]
+                value[dst:dst + y - x] = _piece(opened(rank), f"{key}/{name}/{pa}", pb - pa, rank)[x - pa:y - pa]
     own = layout.rank if layout.rank < meta["world_size"] else 0
     keys = [k for k in opened(own).keys() if k.startswith("scalar/")]
     scalars = {k.split("/", 1)[1]: opened(own).get_tensor(k) for k in keys}

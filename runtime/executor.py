@@ -12,6 +12,7 @@ from the phase hooks (``runtime.measure``), which the executor calls and does no
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
 
 import torch
@@ -32,7 +33,29 @@ from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
 from runtime.stage_params import StageParams
 from runtime.topology import Cluster, check_placement
 
-__all__ = ["StageProgram", "Executor", "pack_micro_batch"]
+__all__ = ["StageProgram", "Executor", "NonFiniteError", "pack_micro_batch", "setting_problem"]
+
+NON_FINITE_POLICIES = ("raise", "skip")
+"""What a step whose loss or gradient norm is not finite does: a ``NonFiniteError``, or no optimiser step."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A step met a NaN or an infinity (its loss, its gradient, the master weights or the optimiser's settings);
+    the same on every rank, naming the step, raised before the optimiser changed anything."""
+
+
+def setting_problem(settings: Mapping) -> str | None:
+    """Which number of an optimiser's settings (a param group, or its keyword arguments) is NaN or infinite,
+    as ``lr=nan`` (None: all are finite). Tensors on a device are not read (that would wait for it)."""
+    for key, value in settings.items():
+        if key == "params":
+            continue
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.is_floating_point() and v.numel() == 1:
+                v = float(v)
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"{key}={value!r}"
+    return None
 
 
 class StageProgram(Protocol):
@@ -78,12 +101,21 @@ class Executor:
     def __init__(self, ctx: DistContext, cluster: Cluster, layout: FixedLayout, optimizer: torch.optim.Optimizer, *,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, hooks: Sequence[PhaseHook] = (), overlap: bool = False,
-                 windows: int = DEFAULT_WINDOWS):
+                 windows: int = DEFAULT_WINDOWS, non_finite: str = "raise"):
         """``overlap``: move parameters and gradients window by window (``runtime.overlap``), the pull of later
         layers travelling while the forward computes earlier ones and the push of later layers' gradients while
         the backward computes earlier ones, in ``windows`` windows of the fixed layout; otherwise all of the pull
-        before the compute and all of the push after it (``runtime.redistribute``), in rounds of pairs."""
+        before the compute and all of the push after it (``runtime.redistribute``), in rounds of pairs.
+        ``non_finite``: ``"raise"`` (a step whose loss or gradient norm is not finite is a ``NonFiniteError``)
+        or ``"skip"`` (it changes nothing and is counted in ``non_finite_skips``)."""
+        if non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         self.ctx, self.cluster, self.layout, self.optimizer = ctx, cluster, layout, optimizer
+        self.non_finite = non_finite
+        self.steps_run = 0
+        """Training steps run (dry runs not counted): the number a ``NonFiniteError`` names the step by."""
+        self.non_finite_skips = 0
+        """Steps skipped because their loss or gradient norm was not finite (``non_finite="skip"``)."""
         self.param_dtype, self.reduce_dtype, self.chunk_numel = param_dtype, reduce_dtype, chunk_numel
         self.overlap = overlap
         self.windows = layout_windows(layout, windows) if overlap else []
@@ -183,11 +215,70 @@ class Executor:
                     step.traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
         params.release()
         if not dry_run:
-            self._phase("optimizer", step)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            step.finite_probe = self._finite_probe
+            step.settings_finite = self._settings_problem() is None
+            self._phase("optimizer", step)  # the meter reads the step's statistics and checks: one read
+            self.steps_run += 1
+            try:
+                if self._may_step(step):
+                    self.optimizer.step()
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
         self._phase("end", step)
         return step.stats
+
+    def _finite_probe(self) -> torch.Tensor:
+        """(norm of this rank's shard of the summed gradient, largest magnitude of its master weights), on the
+        device: NaN or infinite when a value is (an empty shard: zeros)."""
+        shard, grad = self.layout.shard.detach(), self.layout.shard.grad
+        if shard.numel() == 0:
+            return torch.zeros(2, dtype=torch.float64, device=shard.device)
+        norm = torch.linalg.vector_norm(grad) if grad is not None else torch.zeros((), device=shard.device)
+        return torch.stack([norm.double(), torch.linalg.vector_norm(shard, float("inf")).double()])
+
+    def _settings_problem(self) -> str | None:
+        """Which of this rank's optimiser settings is not finite, as ``param group 0: lr=nan`` (None: none)."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            if (problem := setting_problem(group)) is not None:
+                return f"param group {i}: {problem}"
+        return None
+
+    def _may_step(self, step: StepState) -> bool:
+        """Whether the optimiser may step on what the step read: True when every value is finite; False for a
+        skipped step (``non_finite="skip"``, a loss or gradient norm only); else a NonFiniteError on every rank."""
+        stats, checks = step.stats, step.checks
+        settings = [r for r, (_, _, ok) in enumerate(checks) if not ok]
+        weights = [r for r, (_, top, _) in enumerate(checks) if not math.isfinite(top)]
+        if not settings and not weights:
+            if math.isfinite(stats.loss) and math.isfinite(stats.grad_norm):
+                return True
+            if self.non_finite == "skip":
+                self.non_finite_skips += 1
+                return False
+        raise NonFiniteError(f"step {self.steps_run}: {self._non_finite_reason(stats, settings, weights)}")
+
+    def _non_finite_reason(self, stats: StepStats, settings: list[int], weights: list[int]) -> str:
+        """Why the step stops, the same on every rank (the ranks' details gathered: this is the failure path)."""
+        local = self._settings_problem() if settings else self._first_non_finite_weight() if weights else None
+        details = comm.all_gather_object(local)
+        if settings:
+            return (f"the optimiser's settings are not finite on rank {settings[0]} ({details[settings[0]]}): the "
+                    f"update would make the weights NaN; not stepped, nothing changed")
+        if weights:
+            return (f"the master weights are not finite before this step's update (rank {weights[0]}: "
+                    f"{details[weights[0]]}), from an earlier update or set outside training; not stepped")
+        hint = "" if self.non_finite == "skip" else " (TrainOptions(non_finite='skip') skips such steps instead)"
+        return (f"the loss is {stats.loss} and the gradient norm {stats.grad_norm}, expected finite values; not "
+                f"stepped, nothing changed{hint}")
+
+    def _first_non_finite_weight(self) -> str:
+        """The first parameter whose master weights on this rank hold a NaN or an infinity, and how many do."""
+        shard = self.layout.shard.detach()
+        bad = (~torch.isfinite(shard)).nonzero().flatten().cpu()
+        at = self.layout.flat_index(int(bad[0])) if bad.numel() else None
+        name = next((n for n, s in self.layout.specs.items() if at is not None and s.offset <= at < s.offset + s.numel),
+                    "padding")
+        return f"{name!r} holds {shard[int(bad[0])].item() if bad.numel() else None} ({bad.numel()} values)"
 
     def _micro_batches(self, batch: Sequence[torch.Tensor], replica: ReplicaPlan, cp_rank: int,
                        program: StageProgram) -> list[micro_batch.MicroBatch]:

@@ -2,16 +2,20 @@
 through torch's elastic launcher (the same environment torchrun gives), so the script's
 ``init_distributed()`` works unchanged under plain ``torchrun`` on a cluster. Each rank's stderr is shown
 (lines prefixed with its local rank) and kept in a temporary folder, so that when a rank fails the launch
-exits with that rank's own exit code and names the rank and the last line it wrote to stderr."""
+exits with that rank's own exit code and names the rank and the last line it wrote to stderr. The launcher
+notes which ranks it stopped itself (once one fails it ends the others with SIGTERM), so a rank ended by a
+signal from elsewhere (``kill`` from a shell, a scheduler, the OOM killer) is the one named, never a rank it
+stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["launch", "LaunchError", "max_local_ranks"]
 
@@ -39,26 +43,54 @@ def launch(nproc: int, script: str, script_args: list[str], max_nproc: int | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    with tempfile.TemporaryDirectory(prefix="hcompile-launch-") as logs:
+    with tempfile.TemporaryDirectory(prefix="hcompile-launch-") as logs, _stopped_by_launcher() as stopped:
         try:
             torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "--log-dir", logs,
                            "--tee", "2", script, *script_args])
         except ChildFailedError as exc:
-            rank, failure = _first_failure(exc.failures)
+            rank, failure = _first_failure(exc.failures, stopped)
             code = failure.exitcode if failure.exitcode > 0 else 128 + (-failure.exitcode or 1)
             how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else _signal_name(-failure.exitcode)
+            if failure.exitcode < 0 and stopped is not None and failure.pid not in stopped:
+                how += ", not sent by the launcher"
             print(f"hcompile launch: rank {rank} failed ({how}): {_last_stderr_line(logs, failure.local_rank)}",
                   file=sys.stderr)
             return code
     return 0
 
 
-def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
-    """(global rank, failure) of the rank that failed on its own first: the launcher ends the others with
-    SIGTERM once one fails, so those come last."""
+@contextlib.contextmanager
+def _stopped_by_launcher() -> Iterator[set[int] | None]:
+    """The pids of the ranks torch's launcher sent a signal to while this is open (None: this torch has no
+    ``SubprocessHandler.close`` to note it in, and the launcher's SIGTERMs are told apart by their signal)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+            SubprocessHandler,
+        )
+        close = SubprocessHandler.close
+    except (ImportError, AttributeError):
+        yield None
+        return
+    stopped: set[int] = set()
+
+    def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stopped.add(self.proc.pid)
+        return close(self, *args, **kwargs)
+
+    SubprocessHandler.close = noted
+    try:
+        yield stopped
+    finally:
+        SubprocessHandler.close = close
+
+
+def _first_failure(failures: dict[int, Any], stopped: set[int] | None = None) -> tuple[int, Any]:
+    """(global rank, failure) of the rank that failed on its own first: the ranks the launcher stopped once one
+    had failed (``stopped``: their pids; without it, those that a SIGTERM ended) come last."""
     def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
-        return failure.exitcode == -signal.SIGTERM, failure.timestamp, rank
+        by_launcher = failure.pid in stopped if stopped is not None else failure.exitcode == -signal.SIGTERM
+        return by_launcher, failure.timestamp, rank
 
     return min(failures.items(), key=order)
 

@@ -2,17 +2,19 @@
 
 Owns :class:`StepStats`, :class:`StepState` (one step on this rank as the hooks see it), the hook protocol and
 the two hooks the runtime has: :class:`StepMeter` (busy time of the compute phase: CUDA events on a GPU, the
-rank's CPU time on the CPU; at the end of the step one all-gather of the loss, busy times and token counts,
-the step's one read of device values) and :class:`TakeTurns` (replicas compute one after the other, for
-measuring per-rank busy times on a host with fewer cores than ranks). The executor runs the step and calls
-the hooks; it measures nothing itself.
+rank's CPU time on the CPU; before the optimiser steps, one all-gather of the loss, the gradient norm, the
+finiteness probe of the master weights, busy times and token counts, the step's one read of device values)
+and :class:`TakeTurns` (replicas compute one after the other, for measuring per-rank busy times on a host with
+fewer cores than ranks). The executor runs the step and calls the hooks; it measures nothing itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -78,6 +80,12 @@ class StepStats:
     pull_wait_ms: tuple[float, ...] = ()
     """Per rank, with overlapped movement: host wall time its compute waited for parameter windows still
     travelling, ms (inside the compute phase; under NCCL the wait is the stream's and this stays near 0)."""
+    grad_norm: float = 0.0
+    """L2 norm of the step's summed gradient (every rank's shard), read before the optimiser steps (0 in a dry
+    run)."""
+    non_finite_skips: int = 0
+    """Steps skipped so far because their loss or gradient norm was not finite (``TrainOptions(non_finite=
+    "skip")``; with the default ``"raise"`` such a step is a ``NonFiniteError`` instead)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -103,8 +111,18 @@ class StepState:
     """Bytes moved so far."""
     pull_wait_ms: float = 0.0
     """With overlapped movement: host time the compute waited for parameter windows still travelling, ms."""
+    finite_probe: Callable[[], torch.Tensor] | None = None
+    """Set before the ``optimizer`` phase: computes (on the device, once the push is timed) the norm of this
+    rank's shard of the summed gradient and the largest magnitude of its master weights (NaN or infinite when
+    one is), read with the statistics."""
+    settings_finite: bool = True
+    """Whether every number of this rank's optimiser settings (lr, betas, ...) is finite."""
+    checks: list[tuple[float, float, bool]] = field(default_factory=list)
+    """Per rank, once read: (gradient norm of its shard, largest magnitude of its master weights, its settings
+    finite)."""
     stats: StepStats | None = None
-    """What the step did, once a meter has read it (at ``end``)."""
+    """What the step did, once a meter has read it (at ``optimizer``, before the optimiser steps; at ``end`` in
+    a dry run)."""
 
 
 class PhaseHook(Protocol):
@@ -168,8 +186,10 @@ class _BusyClock:
 
 
 class StepMeter:
-    """Times the step and its compute phase, and at ``end`` gathers the statistics of every rank in one
-    all-gather (the step's one read of device values) into ``step.stats``."""
+    """Times the step and its compute phase, and gathers the statistics of every rank in one all-gather (the
+    step's one read of device values) into ``step.stats``: as the optimiser phase begins, so that the loss and
+    the gradient norm are known before anything changes (at ``end`` in a dry run, which has none); ``wall_ms``
+    is set at ``end``."""
 
     def __init__(self, cpu_clock: RankCpuClock, device: torch.device):
         self.cpu_clock, self.device = cpu_clock, device
@@ -185,8 +205,10 @@ class StepMeter:
             self._pull, self._push = _Span(self.device), None
         elif phase == "push":
             self._push = _Span(self.device)
-        elif phase == "optimizer" and self._push is not None:
-            self._push.stop()
+        elif phase == "optimizer":
+            if self._push is not None:
+                self._push.stop()
+            step.stats = self._gather(step)
         elif phase == "pulled":
             self._pull.stop()
         elif phase == "compute":
@@ -196,17 +218,20 @@ class StepMeter:
             self._clock.stop()
             self._window = (self._window[0], time.perf_counter())
         elif phase == "end":
-            step.stats = self._gather(step)
+            stats = step.stats if step.stats is not None else self._gather(step)
+            step.stats = dataclasses.replace(stats, wall_ms=(time.perf_counter() - self._started) * 1e3)
 
     def _gather(self, step: StepState) -> StepStats:
         busy_ms, thread_ms = self._clock.read()  # after the step: a CUDA event is read once, here
         pull_ms = self._pull.read()
         push_ms = self._push.read() if self._push is not None else 0.0
         counted = step.loss_sum
+        probe = step.finite_probe() if step.finite_probe is not None else torch.zeros(2, device=counted.device)
         summary = torch.cat([counted.reshape(1).double(), torch.tensor(
-            [busy_ms, float(step.tokens_computed), thread_ms, pull_ms, push_ms, step.pull_wait_ms], dtype=torch.float64,
-            device=counted.device)])
+            [busy_ms, float(step.tokens_computed), thread_ms, pull_ms, push_ms, step.pull_wait_ms,
+             float(step.settings_finite)], dtype=torch.float64, device=counted.device), probe.double()])
         gathered = torch.stack(comm.all_gather(summary)).cpu().tolist()
+        step.checks = [(g[8], g[9], g[7] == 1.0) for g in gathered]
         plan = step.plan
         return StepStats(
             loss=sum(g[0] for g in gathered) / max(1, global_pair_count(plan.seq_lens)), tokens=sum(plan.seq_lens),
@@ -214,7 +239,7 @@ class StepMeter:
             wall_ms=(time.perf_counter() - self._started) * 1e3, compilations=0, traffic=step.traffic,
             tokens_computed=tuple(int(g[2]) for g in gathered), compute_thread_ms=tuple(g[3] for g in gathered),
             compute_window=self._window, pull_ms=tuple(g[4] for g in gathered), push_ms=tuple(g[5] for g in gathered),
-            pull_wait_ms=tuple(g[6] for g in gathered))
+            pull_wait_ms=tuple(g[6] for g in gathered), grad_norm=math.sqrt(sum(g[8] ** 2 for g in gathered)))
 
 
 class TakeTurns:

@@ -379,3 +379,20 @@ def test_explicit_arguments_win_over_the_checkpoint_with_one_logged_line(two_ran
         assert strategy == "1x(tp2,pp1)"  # asked, not the checkpoint's 2x(tp1)
         assert records == ([] if rank else ["resuming from %s: the explicit arguments replace what the checkpoint "
                                             "held (lr=0.01, strategies ['2x(tp1,pp1)'])" % (ckpt + "-own")])
+
+
+def test_a_lock_file_without_flock_is_held_while_its_owner_may_run(tmp_path):
+    """On a file system without ``flock`` the lock file alone decides: a process of this host that is gone, or
+    this process, does not hold it; a live one or one on another host does."""
+    import socket
+
+    from runtime.checkpoint import LOCK, _held_elsewhere
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    file, host = tmp_path / LOCK, socket.gethostname()
+    for owner, held in (({"host": host, "pid": gone.pid}, False), ({"host": host, "pid": os.getpid()}, False),
+                        ({"host": host, "pid": os.getppid()}, True), ({"host": host + "-other", "pid": 1}, True),
+                        (None, False)):
+        file.write_text(json.dumps(owner) if owner is not None else "")
+        assert _held_elsewhere(file) is held, owner

@@ -1,6 +1,6 @@
 """The way back out: ``Trainer.save_pretrained`` writes a Hugging Face folder that ``from_pretrained`` loads with
 the trained parameters (same logits), from a run on 2 gloo ranks under tensor parallelism; shards and their
-index above a size; bad destinations refused before anything is written."""
+index above a size; bad destinations and non-finite weights refused with the target unchanged."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from dist_util import run_ranks  # noqa: E402
 
+import hcompile  # noqa: E402
 from hcompile.export import parse_size, save_pretrained  # noqa: E402
 from passes.graph.variant import TokenBuckets  # noqa: E402
 from runtime.fixed_layout import FixedLayout  # noqa: E402
@@ -84,3 +85,10 @@ def test_sizes_and_destinations_are_checked(tmp_path):
     assert save_pretrained(model, layout, tmp_path / "out") == ["config.json", "generation_config.json",
                                                                 "model.safetensors"]
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"  # what the export does not write is left alone
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with torch.no_grad():
+        layout.shard[3] = float("nan")
+    with pytest.raises(hcompile.NonFiniteError, match="holds 1 non-finite values .*; nothing in it was changed"):
+        save_pretrained(model, layout, tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "out"]  # no staging folder left

@@ -44,7 +44,8 @@ def test_a_failing_rank_gives_its_own_exit_code_and_last_error_line(tmp_path):
         "hcompile launch: rank 1 failed (exit code 3): fatal: rank 1 cannot go on")
     proc = _launch(tmp_path, "import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), "
                              "signal.SIGKILL)\nimport time; time.sleep(30)\n")
-    assert proc.returncode == 137 and "rank 0 failed (signal SIGKILL): (nothing on its stderr)" in proc.stderr
+    assert proc.returncode == 137 and ("rank 0 failed (signal SIGKILL, not sent by the launcher): (nothing on its "
+                                       "stderr)") in proc.stderr
 
 
 EXIT = """

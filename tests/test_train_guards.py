@@ -1,8 +1,9 @@
 """What the trainer refuses or leaves alone: optimisers that are not elementwise (with the supported list), a
 strategy given as one string, a TP degree that does not divide the head count, a context-parallel scheme the
 cost model lacks (a listed one is added from its (tp, pp) scheme), a token cap the machine cannot
-hold (a clear error in seconds, not a process the OOM killer ends), and a batch with no next-token pair (no
-optimiser step, no weight decay, said so in the stats)."""
+hold (a clear error in seconds, not a process the OOM killer ends), a batch with no next-token pair (no
+optimiser step, no weight decay, said so in the stats), and with ``non_finite="skip"`` a step whose loss is NaN
+(skipped with nothing changed, counted in the stats)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def _one_rank(rank, world):
 
     trainer = hcompile.compile(init_weights_(Llama(LlamaConfig()), seed=0)).trainer(
         loss="causal_lm", optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 0.1, "weight_decay": 0.5},
-        strategies="1x(tp1)", tokens_per_rank=64, calibrate=False)
+        strategies="1x(tp1)", tokens_per_rank=64, calibrate=False, non_finite="skip")
     ones = [torch.tensor([5]), torch.tensor([7]), torch.tensor([9])]
     good = [torch.arange(20) % 96, torch.arange(9)]
     before = trainer.full_state_dict()
@@ -97,6 +98,15 @@ def _one_rank(rank, world):
     steps = trainer.optimizer.state_dict()["state"][0]["step"].item()
     trainer.train_step(good)
     flags = [s.skipped for s in skipped]
+    layout, spec = trainer.layout, trainer.layout.specs["norm.weight"]
+    with torch.no_grad():  # finite weights whose logits overflow: the loss is NaN
+        for a, b in layout.in_shard([(spec.offset, spec.offset + spec.numel)], layout.rank):
+            layout.shard[a:b] = 3e38
+    huge = trainer.full_state_dict()
+    overflow = trainer.train_step(good)  # non_finite="skip": no optimiser step, counted
+    non_finite = (overflow.non_finite_skips, overflow.loss != overflow.loss,
+                  all(torch.equal(huge[n], t) for n, t in trainer.full_state_dict().items()),
+                  trainer.optimizer.state_dict()["state"][0]["step"].item())
     started = time.monotonic()
     try:  # a rotary model has no position table: only the memory bounds its buckets
         big = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=32000)), seed=0)).trainer(
@@ -104,14 +114,15 @@ def _one_rank(rank, world):
         outcome = ("trained", max(e.max_tokens for e in big.cost_model.entries))
     except MemoryCapError as exc:
         outcome = ("refused", str(exc))
-    return flags, skipped[0].loss, unchanged, steps, outcome, time.monotonic() - started
+    return flags, skipped[0].loss, unchanged, steps, non_finite, outcome, time.monotonic() - started
 
 
 def test_no_pair_changes_nothing_and_a_cap_the_machine_cannot_hold_is_refused_in_seconds(tmp_path):
-    flags, loss, (good_step_changed, ones_changed_nothing), steps, outcome, seconds = run_ranks(1, tmp_path,
-                                                                                               _one_rank)[0]
+    flags, loss, (good_step_changed, ones_changed_nothing), steps, non_finite, outcome, seconds = run_ranks(
+        1, tmp_path, _one_rank)[0]
     assert flags == [True, False, True] and loss == 0.0
     assert good_step_changed and ones_changed_nothing and steps == 1  # one optimiser step: the good batch's
+    assert non_finite == (1, True, True, 2)  # skipped and counted: NaN loss, weights and optimiser untouched
     kind, detail = outcome
     if kind == "trained":  # a machine with the ~700 GB a 10^6-token micro-batch of this model needs
         pytest.skip(f"this machine holds {detail} tokens")
