@@ -15,6 +15,7 @@ graph returns one output, the logits (the model's tensor result, or its ``.logit
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -90,6 +91,8 @@ def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = N
                 meta_args = tuple(a.to("meta") for a in args)
                 record, user_out = _trace(model, meta_args)
                 gm, names = _normalise(model, record["gm"], record["inputs"], meta_args, stand_ins=True)
+    _functionalise_buffer_copies(gm)
+    _functionalise_in_place(gm, type(model).__name__)
     _keep_only_output(gm, _output_index(record.get("outputs"), user_out))
     _drop_empty_concat_operands(gm)
     return Captured(graph_module=gm, example_inputs=tuple(args), param_names=names)
@@ -109,6 +112,73 @@ def without_kv_cache(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         config.use_cache = saved
+
+
+def _functionalise_buffer_copies(gm: fx.GraphModule) -> None:
+    """A buffer the forward overwrites (``buffer.copy_(value)``, as Hugging Face's longrope and dynamic RoPE
+    update ``inv_freq``) is read as ``value`` from there on: the graph keeps what the forward computes instead of
+    dropping the write as dead code and reading the stale buffer."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_method" and node.target == "copy_" and len(node.args) >= 2
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"):
+            continue
+        buffer, value = node.args[0], node.args[1]
+        for user in list(buffer.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(buffer, value)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+_VIEWS = frozenset({"view", "reshape", "transpose", "permute", "expand", "narrow", "squeeze", "unsqueeze", "t",
+                    "unflatten", "flatten", "view_as", "expand_as", "as_strided", "diagonal", "select", "detach",
+                    "contiguous", "unfold", "movedim", "swapaxes", "mT", "T"})
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether ``node`` may share memory with another value of the graph (a view, or a slice of a tensor)."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name in _VIEWS:
+        return True
+    if node.op == "call_function" and node.target is operator.getitem and node.args:
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return isinstance(source, torch.Tensor) and not any(isinstance(i, fx.Node) for i in index)
+    return False
+
+
+def _functionalise_in_place(gm: fx.GraphModule, model: str) -> None:
+    """An in-place method on an intermediate (``out.add_(bias)``, ``ids.clamp_(0, n)``, as Hugging Face's expert
+    layers write them) becomes its out-of-place form, and what reads the tensor after it reads the result:
+    otherwise dead-code elimination, which sees an unused result, drops the update (silently: GPT-OSS's expert
+    biases were lost this way). An in-place update of a view, a parameter or an input, whose effect reaches
+    other values, is a CaptureError."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if node.op != "call_method" or not isinstance(target, str) or not target.endswith("_") or \
+                target.startswith("_") or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        base, pure = node.args[0], target[:-1]
+        if _aliases(base) or not hasattr(torch.Tensor, pure):
+            raise CaptureError(f"{model} could not be captured: node {node.name!r} updates {base.name!r} in place "
+                               f"({target}), which shares memory with other values of the forward; write it out of "
+                               "place")
+        for user in list(base.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(base, node)
+        node.target = pure
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _keep_only_output(gm: fx.GraphModule, index: int) -> None:

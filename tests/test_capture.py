@@ -95,3 +95,40 @@ def test_capture_keeps_the_logits_only_without_cache_concatenation():
     assert not any(n.op == "call_function" and n.target is torch.cat for n in nodes)
     assert len(nodes[-1].args[0]) == 1  # the logits alone
     torch.testing.assert_close(cap.graph_module(x)[0], model(x).logits)
+
+
+class _InPlace(nn.Module):
+    """Updates an intermediate in place (as Hugging Face's expert layers add their biases) and overwrites a buffer
+    it then reads (as longrope updates ``inv_freq``); ``view`` updates a slice of an activation in place."""
+
+    def __init__(self, view: bool = False):
+        super().__init__()
+        self.view = view
+        self.proj = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        out = self.proj(x)
+        out.add_(self.bias)  # the result is unused: only the update matters
+        out.clamp_(-1.0, 1.0)
+        self.scale.copy_(torch.full((8,), 3.0))
+        if self.view:
+            out[..., :4].mul_(2.0)
+        return out * self.scale
+
+
+def test_in_place_updates_and_buffer_writes_are_kept():
+    model = _InPlace()
+    x = torch.randn(1, 5, 8)
+    cap = capture(model, x)
+    model.scale.fill_(1.0)  # the graph computes the written value, not what the buffer holds
+    methods = {n.target for n in cap.graph_module.graph.nodes if n.op == "call_method"}
+    assert {"add", "clamp"} <= methods and not any(t.endswith("_") for t in methods)
+    expected = (torch.clamp(model.proj(x) + model.bias, -1.0, 1.0)) * 3.0
+    torch.testing.assert_close(cap.graph_module(x)[0], expected)
+
+
+def test_an_in_place_update_of_a_view_is_refused():
+    with pytest.raises(CaptureError, match="updates 'getitem' in place \\(mul_\\), which shares memory"):
+        capture(_InPlace(view=True), torch.randn(1, 5, 8))
