@@ -17,6 +17,11 @@ attention, the same for every method (padding and masked blocks are overhead, no
     forward+backward FLOPs = 3.5 * forward FLOPs                            (backward: 5 matmuls to forward's 2)
     TFLOPS                 = FLOPs / (ms * 1e-3) / 1e12
 
+``--window W`` limits every query to the keys i - W .. i (a sliding window, flash-attn's ``window_size=(W, 0)``):
+``hydraulis`` passes ``window=W`` (its kernels skip the key blocks outside it), ``varlen_attn`` its own
+``window_size``, ``flex`` adds the window to its block mask, ``sdpa_padded`` is not run; FLOPs then count only
+the pairs inside the window, so ms falling with W is the kernels skipping work, and TFLOPS stays comparable.
+
 ``--smoke`` (CPU or GPU): checks the Triton op against the reference on small ragged batches (under
 ``TRITON_INTERPRET=1`` on a CPU), forward and backward, and prints that no GPU timing was taken on a CPU.
 Every row is also written as a JSON line stamped with commit, device and config (default
@@ -61,12 +66,16 @@ class BenchConfig:
     """Seed for lengths and tensors."""
     methods: tuple[str, ...] = ("hydraulis", "varlen_attn", "flex", "sdpa_padded")
     """Methods to run, of those listed in the module docstring."""
+    window: int | None = None
+    """Left window W (keys i - W .. i visible to query i); None: plain causal."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.heads_q % self.heads_kv:
             raise ValueError(f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}")
+        if self.window is not None and self.window < 0:
+            raise ValueError(f"window={self.window} must be >= 0 (or None)")
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"methods={sorted(unknown)} are not among {sorted(METHODS)}")
@@ -109,9 +118,15 @@ def length_mixes(tokens: int, seed: int) -> dict[str, list[int]]:
     return {"short-64-512": short, "uniform-512-8k": uniform, "long-tail": tail, "one-32k": [32768]}
 
 
-def attention_flops(lengths: list[int], heads_q: int, head_dim: int, *, causal: bool = True) -> float:
-    """Forward FLOPs of packed attention (see the module docstring for the formula)."""
-    pairs = sum(s * s for s in lengths) * (0.5 if causal else 1.0)
+def attention_flops(lengths: list[int], heads_q: int, head_dim: int, *, causal: bool = True,
+                    window: int | None = None) -> float:
+    """Forward FLOPs of packed attention (see the module docstring for the formula); with a ``window`` only the
+    pairs inside it count (query i sees min(i, window) + 1 keys)."""
+    if window is None:
+        pairs = sum(s * s for s in lengths) * (0.5 if causal else 1.0)
+    else:
+        w = window + 1  # keys a query sees once it is past the window's start
+        pairs = sum(s * (s + 1) / 2 if s <= w else w * (w + 1) / 2 + (s - w) * w for s in lengths)
     return 4.0 * pairs * heads_q * head_dim
 
 
@@ -131,28 +146,31 @@ def packed_inputs(lengths: list[int], config: BenchConfig, device: torch.device)
     return leaf(config.heads_q), leaf(config.heads_kv), leaf(config.heads_kv), cu_seqlens, max(lengths)
 
 
-def run_hydraulis(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor:
+def run_hydraulis(q, k, v, cu_seqlens, max_seqlen, window: int | None = None) -> torch.Tensor:
     import codegen
 
-    return codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, kernel="triton")
+    return codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, kernel="triton", window=window)
 
 
-def run_varlen_attn(q, k, v, cu_seqlens, max_seqlen) -> torch.Tensor:
+def run_varlen_attn(q, k, v, cu_seqlens, max_seqlen, window: int | None = None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                       window_size=(-1 if window is None else window, 0), enable_gqa=q.shape[1] != k.shape[1])
 
 
-def flex_runner(cu_seqlens: torch.Tensor, total: int, *, compiled: bool = True) -> Callable[..., torch.Tensor]:
-    """FlexAttention over the packed batch as one sequence, masked to document-causal (compiled on a GPU)."""
+def flex_runner(cu_seqlens: torch.Tensor, total: int, *, compiled: bool = True,
+                window: int | None = None) -> Callable[..., torch.Tensor]:
+    """FlexAttention over the packed batch as one sequence, masked to document-causal (within ``window``;
+    compiled on a GPU)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     document = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+    reach = total if window is None else window
 
     def document_causal(batch, head, query, key):
-        return (document[query] == document[key]) & (key <= query)
+        return (document[query] == document[key]) & (key <= query) & (query - key <= reach)
 
     block_mask = create_block_mask(document_causal, None, None, total, total, device=cu_seqlens.device)
     attend = torch.compile(flex_attention) if compiled else flex_attention
@@ -220,9 +238,11 @@ class Case:
     """q, k, v as that method holds them (packed, or padded for ``sdpa_padded``)."""
 
 
-def make_case(method: str, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> Case:
+def make_case(method: str, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None = None) -> Case:
     """Bind a method to a packed batch; padding for ``sdpa_padded`` happens here, outside the timed region."""
     if method == "sdpa_padded":
+        if window is not None:
+            raise RuntimeError("sdpa_padded is not run with a window (it would need a dense padded mask)")
         offsets = cu_seqlens.tolist()
         padded = tuple(pad_packed(x.detach(), offsets, max_seqlen).requires_grad_() for x in (q, k, v))
         return Case(forward=lambda: sdpa_padded(*padded), leaves=padded)
@@ -231,8 +251,9 @@ def make_case(method: str, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -
     elif method == "varlen_attn":
         run = run_varlen_attn
     else:
-        run = flex_runner(cu_seqlens, q.shape[0])
-    return Case(forward=lambda: run(q, k, v, cu_seqlens, max_seqlen), leaves=(q, k, v))
+        run = flex_runner(cu_seqlens, q.shape[0], window=window)
+        return Case(forward=lambda: run(q, k, v, cu_seqlens, max_seqlen), leaves=(q, k, v))
+    return Case(forward=lambda: run(q, k, v, cu_seqlens, max_seqlen, window), leaves=(q, k, v))
 
 
 def measure(mix: str, lengths: list[int], method: str, config: BenchConfig) -> Row:
@@ -240,7 +261,7 @@ def measure(mix: str, lengths: list[int], method: str, config: BenchConfig) -> R
     q, k, v, cu_seqlens, max_seqlen = packed_inputs(lengths, config, torch.device("cuda"))
     row = Row(mix=mix, method=method, num_seqs=len(lengths), total_tokens=sum(lengths), max_seqlen=max_seqlen)
     try:
-        case = make_case(method, q, k, v, cu_seqlens, max_seqlen)
+        case = make_case(method, q, k, v, cu_seqlens, max_seqlen, config.window)
         grad_out = torch.randn_like(case.forward())
 
         def forward_backward() -> None:
@@ -259,7 +280,7 @@ def measure(mix: str, lengths: list[int], method: str, config: BenchConfig) -> R
         row.note = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         torch.cuda.empty_cache()
         return row
-    flops = attention_flops(lengths, config.heads_q, config.head_dim)
+    flops = attention_flops(lengths, config.heads_q, config.head_dim, window=config.window)
     row.fwd_tflops = flops / (row.fwd_ms * 1e-3) / 1e12
     row.fwd_bwd_tflops = 3.5 * flops / (row.fwd_bwd_ms * 1e-3) / 1e12
     return row
@@ -278,7 +299,7 @@ def smoke(config: BenchConfig) -> list[Row]:
         errors = {}
         results = {}
         for kernel in ("triton", "reference"):
-            out = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, kernel=kernel)
+            out = codegen.packed_attention(q, k, v, cu_seqlens, max_seqlen, kernel=kernel, window=config.window)
             results[kernel] = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
         for name, got, want in zip(("out", "dq", "dk", "dv"), results["triton"], results["reference"]):
             scale = max(want.double().abs().max().item(), 1e-2)
@@ -326,13 +347,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--window", type=int, default=None, help="left window W: keys i - W .. i (default: causal)")
     args = parser.parse_args(argv)
     smoke_defaults = {"heads_q": 4, "heads_kv": 2, "head_dim": 16, "dtype": "fp32"}
     gpu_defaults = {"heads_q": 32, "heads_kv": 8, "head_dim": 128, "dtype": "bf16"}
     defaults = smoke_defaults if args.smoke else gpu_defaults
     chosen = {name: getattr(args, name) if getattr(args, name) is not None else value
               for name, value in defaults.items()}
-    config = BenchConfig(**chosen, tokens=args.tokens, seed=args.seed, methods=tuple(args.methods.split(",")))
+    config = BenchConfig(**chosen, tokens=args.tokens, seed=args.seed, methods=tuple(args.methods.split(",")),
+                         window=args.window)
     return args, config
 
 

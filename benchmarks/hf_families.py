@@ -34,17 +34,23 @@ from benchmarks.provenance import commit
 VOCAB = 64
 STRATEGIES = ("4x(tp1)", "1x(tp2)+2x(tp1)", "2x(tp2)", "1x(tp2,pp2)")
 SMOKE_STRATEGIES = ("2x(tp2)", "1x(tp2,pp2)")
+PIPELINE_ONLY = "2x(pp2)"
+"""Also run, by default, for the families tensor parallelism refuses (mixtures of experts): pipeline stages alone."""
 LENS = ([14, 22, 15, 23, 13, 20, 24, 3, 9], [9, 23, 21, 2, 17, 24, 11, 6])
 LR = 0.5
 
 _LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
 _MHA = dict(_LLAMA_LIKE, num_key_value_heads=4)
+WINDOW = 8
+"""Hugging Face ``sliding_window`` (and Llama 4's chunk) of the limited families: shorter than most sequences."""
+_TWO_KINDS = ["sliding_attention", "full_attention"]
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (transformers model class, config kwargs); the config class is the model's own config_class
     "llama": ("LlamaForCausalLM", _LLAMA_LIKE),
-    "mistral": ("MistralForCausalLM", dict(_LLAMA_LIKE, sliding_window=256)),
+    "mistral": ("MistralForCausalLM", dict(_LLAMA_LIKE, sliding_window=WINDOW)),
     "qwen2": ("Qwen2ForCausalLM", _LLAMA_LIKE),
     "qwen3": ("Qwen3ForCausalLM", dict(_LLAMA_LIKE, head_dim=8)),
     "gpt2": ("GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
@@ -56,11 +62,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo": ("OlmoForCausalLM", _LLAMA_LIKE),
     "olmo2": ("Olmo2ForCausalLM", _LLAMA_LIKE),
     "gemma": ("GemmaForCausalLM", dict(_LLAMA_LIKE, head_dim=8)),
-    "gemma2": ("Gemma2ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=256, query_pre_attn_scalar=8)),
-    "gemma3": ("Gemma3ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=256, query_pre_attn_scalar=8)),
+    "gemma2": ("Gemma2ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8)),
+    "gemma3": ("Gemma3ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
+                                         layer_types=_TWO_KINDS)),
     "granite": ("GraniteForCausalLM", _LLAMA_LIKE),
     "starcoder2": ("Starcoder2ForCausalLM", dict(_LLAMA_LIKE, residual_dropout=0.0, embedding_dropout=0.0,
-                                                 sliding_window=None)),
+                                                 sliding_window=WINDOW)),
     "stablelm": ("StableLmForCausalLM", dict(_LLAMA_LIKE, partial_rotary_factor=0.5, hidden_dropout=0.0)),
     "stablelm_qk_norm": ("StableLmForCausalLM", dict(_LLAMA_LIKE, partial_rotary_factor=0.5, hidden_dropout=0.0,
                                                      qk_layernorm=True)),
@@ -86,14 +93,41 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          hidden_dropout=0.0, attention_dropout=0.0, alibi=False)),
     "bloom": ("BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
                                        attention_dropout=0.0)),
-    "exaone4": ("Exaone4ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=256, sliding_window_pattern=2)),
+    "exaone4": ("Exaone4ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, sliding_window_pattern=2)),
     "seed_oss": ("SeedOssForCausalLM", dict(_LLAMA_LIKE, head_dim=8, attention_dropout=0.0, residual_dropout=0.0)),
     "arcee": ("ArceeForCausalLM", _LLAMA_LIKE),
     "apertus": ("ApertusForCausalLM", dict(_LLAMA_LIKE, head_dim=8)),
-    "olmo3": ("Olmo3ForCausalLM", dict(_LLAMA_LIKE, sliding_window=256)),
+    "olmo3": ("Olmo3ForCausalLM", dict(_LLAMA_LIKE, sliding_window=WINDOW)),
     "ernie4_5": ("Ernie4_5ForCausalLM", dict(_LLAMA_LIKE, head_dim=8)),
+    # attention limited to a window, to chunks, or given sinks (every layer, or per layer_types)
+    "qwen2_swa": ("Qwen2ForCausalLM", dict(_LLAMA_LIKE, use_sliding_window=True, sliding_window=WINDOW,
+                                           max_window_layers=1)),
+    "qwen3_swa": ("Qwen3ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
+                                           max_window_layers=1)),
+    "phi3_swa": ("Phi3ForCausalLM", dict(_LLAMA_LIKE, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                                         sliding_window=20)),  # longer than the old 16-token probe's sequences
+    "cohere2": ("Cohere2ForCausalLM", dict(_LLAMA_LIKE, sliding_window=WINDOW, layer_types=_TWO_KINDS)),
+    "llama4_chunked": ("Llama4ForCausalLM", dict(_LLAMA_LIKE, head_dim=8, attention_chunk_size=WINDOW,
+                                                 intermediate_size_mlp=64, moe_layers=[],
+                                                 layer_types=["chunked_attention", "full_attention"],
+                                                 no_rope_layers=[1, 0], attention_dropout=0.0)),
+    "granite_swa": ("GraniteSWAForCausalLM", dict(_LLAMA_LIKE, sliding_window=WINDOW, layer_types=_TWO_KINDS)),
+    "gpt_oss": ("GptOssForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, layer_types=_TWO_KINDS,
+                                          **_MOE)),
+    # mixtures of experts
+    "mixtral": ("MixtralForCausalLM", dict(_LLAMA_LIKE, **_MOE)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "olmoe": ("OlmoeForCausalLM", dict(_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2)),
+    # position biases
+    "mpt": ("MptForCausalLM", dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=256)),
+    "falcon_alibi": ("FalconForCausalLM", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               new_decoder_architecture=True, num_kv_heads=2,
+                                               max_position_embeddings=256, hidden_dropout=0.0,
+                                               attention_dropout=0.0, alibi=True)),
 }
 SMOKE_FAMILIES = ("llama", "qwen3", "gpt2")
+MIXTURES_OF_EXPERTS = ("gpt_oss", "mixtral", "qwen2_moe", "olmoe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HCOMPILE_TIMEOUT_S", "60")  # a rank left waiting on a failed peer gives up soon
     cases = []
     for family in families:
-        for case in run_family(family, list(strategies), args.timeout_s):
+        extra = [PIPELINE_ONLY] if not args.strategy and not args.smoke and family in MIXTURES_OF_EXPERTS else []
+        for case in run_family(family, [*strategies, *extra], args.timeout_s):
             cases.append(case)
             print(f"{family:<18} {case.strategy:<16} {case.outcome:<9} {case.seconds:6.1f}s  {case.detail}", flush=True)
     stamp = {"commit": commit(), "torch": torch.__version__, "transformers": _transformers_version()}

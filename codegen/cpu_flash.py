@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from codegen.reference import causal_mask, segment_pairs
+from codegen.reference import causal_mask, limits_bite, segment_pairs, sink_grad
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -36,13 +36,17 @@ def _group_sum(grad: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return grad.transpose(0, 1)
 
 
-def _mask_args(causal: bool, queries: int, keys: int, like: torch.Tensor) -> tuple[bool, dict]:
+def _mask_args(causal: bool, queries: int, keys: int, like: torch.Tensor, window: int | None = None,
+               chunk: int | None = None) -> tuple[bool, dict]:
     """``(is_causal, kwargs)`` for one segment: the kernel's own causal flag when queries and keys are the same
-    span, else an additive bottom-right causal mask in ``like``'s dtype, as the kernel takes it (or none when
-    not causal). Every row sees at least its own key, so no row is all -inf."""
-    if not causal or queries == keys:
+    span and no window or chunk hides a key, else an additive mask (bottom-right causal, the window, the chunk)
+    in ``like``'s dtype, as the kernel takes it (or none when not causal). Every row sees at least its own key,
+    so no row is all -inf."""
+    limited = limits_bite(queries, keys, window, chunk)
+    if not causal or (queries == keys and not limited):
         return causal, {}
-    hidden = ~causal_mask(queries, like.device, keys)
+    hidden = ~causal_mask(queries, like.device, keys, window=window if limited else None,
+                          chunk=chunk if limited else None)
     return False, {"attn_mask": torch.zeros(queries, keys, dtype=like.dtype, device=like.device).masked_fill(
         hidden, float("-inf"))}
 
@@ -56,20 +60,28 @@ def cpu_flash_forward(
     causal: bool,
     softmax_scale: float,
     offsets_k: list[int] | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32."""
+    """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32 (with the
+    sinks in it, when given)."""
     total_tokens, heads_q, _ = q.shape
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(heads_q, total_tokens, dtype=torch.float32, device=q.device)
     for start, end, k_start, k_end in segment_pairs(offsets, offsets_k):
-        is_causal, mask = _mask_args(causal, end - start, k_end - k_start, q)
+        is_causal, mask = _mask_args(causal, end - start, k_end - k_start, q, window, chunk)
         seq_out, seq_lse = _FORWARD(_heads_first(q[start:end], 1), _heads_first(k[k_start:k_end], group_size),
                                     _heads_first(v[k_start:k_end], group_size), 0.0, is_causal, scale=softmax_scale,
                                     **mask)[:2]
         out[start:end] = seq_out[0].transpose(0, 1)
         lse[:, start:end] = seq_lse[0]
-    return out, lse
+    if sinks is None:
+        return out, lse
+    with_sink = torch.logaddexp(lse, sinks.float()[:, None])  # (heads_q, tokens)
+    scale = torch.exp(lse - with_sink).transpose(0, 1).unsqueeze(-1)  # (tokens, heads_q, 1)
+    return (out.float() * scale).to(out.dtype), with_sink
 
 
 def cpu_flash_backward(
@@ -84,13 +96,17 @@ def cpu_flash_backward(
     causal: bool,
     softmax_scale: float,
     offsets_k: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of packed attention for q, k and v, from the saved output and log-sum-exp."""
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of packed attention for q, k, v and the sinks (None without), from the saved output and
+    log-sum-exp."""
     heads_q, heads_kv = q.shape[1], k.shape[1]
     group_size = heads_q // heads_kv
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for start, end, k_start, k_end in segment_pairs(offsets, offsets_k):
-        is_causal, mask = _mask_args(causal, end - start, k_end - k_start, q)
+        is_causal, mask = _mask_args(causal, end - start, k_end - k_start, q, window, chunk)
         dq, dk, dv = _BACKWARD(
             _heads_first(grad_out[start:end], 1), _heads_first(q[start:end], 1),
             _heads_first(k[k_start:k_end], group_size), _heads_first(v[k_start:k_end], group_size),
@@ -99,4 +115,7 @@ def cpu_flash_backward(
         grad_q[start:end] = dq[0].transpose(0, 1)
         grad_k[k_start:k_end] = _group_sum(dk, heads_kv)
         grad_v[k_start:k_end] = _group_sum(dv, heads_kv)
-    return grad_q, grad_k, grad_v
+    if sinks is None:
+        return grad_q, grad_k, grad_v, None
+    delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(0, 1)  # (heads_q, tokens)
+    return grad_q, grad_k, grad_v, sink_grad(sinks, lse, delta)

@@ -19,9 +19,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
-from codegen.reference import reference_backward, reference_forward
+from codegen.reference import check_limits, reference_backward, reference_forward
 from codegen.triton_launch import triton_backward, triton_forward
-from codegen.validation import check_kernel, check_key_offsets, check_layout, check_offsets
+from codegen.validation import check_kernel, check_key_offsets, check_layout, check_offsets, check_sinks
 
 _FORWARD_NAME = "hydraulis::packed_attention"
 _BACKWARD_NAME = "hydraulis::packed_attention_backward"
@@ -40,21 +40,33 @@ def packed_attention_op(
     kernel: str,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    window: int = -1,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward on one kernel ("triton", "cpu-flash" or "reference"); returns (out, lse).
     PyTorch's CPU flash kernel has no score cap: with ``softcap`` the CPU runs the reference. ``softcap`` is None
     when there is no cap (not 0.0: a float constant would make dynamo restart its analysis to tensorify it).
-    ``cu_seqlens_k`` / ``max_seqlen_k`` (None: the queries'): the keys' own spans, causal aligned bottom right."""
+    ``cu_seqlens_k`` / ``max_seqlen_k`` (None: the queries'): the keys' own spans, causal aligned bottom right.
+    ``window`` (-1: none), ``chunk`` (0: none), ``sinks`` (heads_q,): limited attention and sink logits
+    (``codegen.reference``); ``lse`` then includes the sinks."""
     softcap = softcap or 0.0
     check_layout(q, k, v, cu_seqlens, max_seqlen, kernel, separate_keys=cu_seqlens_k is not None)
+    limits = _limits(window, chunk, sinks)
     if kernel == "triton":  # the offsets are not read back: on a GPU that would synchronise every call
         return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
-                              softcap=softcap, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+                              softcap=softcap, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **limits)
     offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
     if kernel == "cpu-flash" and not softcap:
-        return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, offsets_k=offsets_k)
+        return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, offsets_k=offsets_k,
+                                 **limits)
     return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
-                             offsets_k=offsets_k)
+                             offsets_k=offsets_k, **limits)
+
+
+def _limits(window: int, chunk: int, sinks: torch.Tensor | None) -> dict[str, Any]:
+    """The op's encoded limits as the kernels take them (None where absent)."""
+    return {"window": None if window < 0 else window, "chunk": chunk or None, "sinks": sinks}
 
 
 def _host_offsets(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -69,7 +81,7 @@ def _host_offsets(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, ma
 
 @packed_attention_op.register_fake
 def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel,
-                           cu_seqlens_k=None, max_seqlen_k=None):
+                           cu_seqlens_k=None, max_seqlen_k=None, window=-1, chunk=0, sinks=None):
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
@@ -91,33 +103,46 @@ def packed_attention_backward_op(
     kernel: str,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of packed attention for (q, k, v), recomputed from the saved output and log-sum-exp.
+    window: int = -1,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of packed attention for (q, k, v, sinks), recomputed from the saved output and log-sum-exp (the
+    sinks' gradient is an empty tensor when there are none: a custom op returns tensors).
 
     The forward already validated ``cu_seqlens``; the Triton path does not read it back to the host again (that
     would synchronise the GPU), the reference path needs the offsets on the host anyway.
     """
-    kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale}
+    kwargs: dict[str, Any] = {"causal": causal, "softmax_scale": softmax_scale, **_limits(window, chunk, sinks)}
     softcap = softcap or 0.0
     if kernel == "triton":
-        return triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softcap=softcap,
-                               cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **kwargs)
-    offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
-    if kernel == "cpu-flash" and not softcap:
-        return cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, offsets_k=offsets_k, **kwargs)
-    return reference_backward(grad_out, q, k, v, out, lse, offsets, softcap=softcap, offsets_k=offsets_k, **kwargs)
+        grads = triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softcap=softcap,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **kwargs)
+    else:
+        offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
+        if kernel == "cpu-flash" and not softcap:
+            grads = cpu_flash_backward(grad_out, q, k, v, out, lse, offsets, offsets_k=offsets_k, **kwargs)
+        else:
+            grads = reference_backward(grad_out, q, k, v, out, lse, offsets, softcap=softcap, offsets_k=offsets_k,
+                                       **kwargs)
+    grad_q, grad_k, grad_v, grad_sinks = grads
+    return grad_q, grad_k, grad_v, (q.new_empty(0) if grad_sinks is None else grad_sinks)
 
 
 @packed_attention_backward_op.register_fake
 def _packed_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
-                                    softcap, kernel, cu_seqlens_k=None, max_seqlen_k=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                                    softcap, kernel, cu_seqlens_k=None, max_seqlen_k=None, window=-1, chunk=0,
+                                    sinks=None):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel, cu_seqlens_k, max_seqlen_k = inputs
+    (q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel, cu_seqlens_k, max_seqlen_k, window,
+     chunk, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, sinks)
+    ctx.window, ctx.chunk = window, chunk
     ctx.max_seqlen = max_seqlen
     ctx.max_seqlen_k = max_seqlen_k
     ctx.causal = causal
@@ -128,12 +153,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
     # lse is an internal output that packed_attention never returns, so grad_lse is None or zeros.
-    q, k, v, out, lse, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
-    grad_q, grad_k, grad_v = packed_attention_backward_op(
+    q, k, v, out, lse, cu_seqlens, cu_seqlens_k, sinks = ctx.saved_tensors
+    grad_q, grad_k, grad_v, grad_sinks = packed_attention_backward_op(
         grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.softcap,
-        ctx.kernel, cu_seqlens_k, ctx.max_seqlen_k,
+        ctx.kernel, cu_seqlens_k, ctx.max_seqlen_k, ctx.window, ctx.chunk, sinks,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None
+    return (grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, None, None,
+            None if sinks is None else grad_sinks)
 
 
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -169,8 +195,11 @@ def packed_attention(
     validate: bool = True,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention within each sequence of a packed batch; differentiable in q, k and v.
+    """Attention within each sequence of a packed batch; differentiable in q, k, v (and ``sinks``).
 
     q: (total_tokens, heads_q, head_dim); k, v: (total_tokens, heads_kv, head_dim) with heads_q % heads_kv == 0
     (GQA, MQA); cu_seqlens: int32 (num_seqs + 1) offsets from 0 to total_tokens, non-decreasing; max_seqlen:
@@ -189,6 +218,13 @@ def packed_attention(
     ``q[cu_seqlens[i]:cu_seqlens[i+1]]`` attend keys ``k[cu_seqlens_k[i]:cu_seqlens_k[i+1]]``, causal aligned
     at the bottom right (the last query row sees every key), so each key span must be at least as long as its
     query span.
+
+    Limited attention (causal only): ``window`` W keeps, for the query at position i of its sequence, the keys
+    at positions i - W .. i (flash-attn's ``window_size=(W, 0)``; a Hugging Face ``sliding_window`` of S is
+    W = S - 1); ``chunk`` C keeps the keys in the query's own chunk of C positions (i // C == j // C, Llama 4's
+    ``attention_chunk_size``); with key spans, positions count from each key span's start. ``sinks``
+    (heads_q,): a learned logit per query head that joins every row's softmax denominator without a value
+    (GPT-OSS); its gradient is returned like q's.
     """
     check_kernel(kernel)
     if (cu_seqlens_k is None) != (max_seqlen_k is None):
@@ -203,6 +239,8 @@ def packed_attention(
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None (no cap), got {softcap!r}")
+    check_limits(causal, window, chunk)
+    check_sinks(sinks, q)
     out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved, cu_seqlens_k,
-                                 max_seqlen_k)
+                                 max_seqlen_k, -1 if window is None else window, chunk or 0, sinks)
     return out

@@ -4,6 +4,13 @@ Each sequence of the packed batch is attended separately (so cost is the sum of 
 cross-sequence score is ever formed).  With ``offsets_k`` the queries and keys of a sequence are different
 spans (a query chunk of a long sequence against the keys up to its end, as context parallelism runs it): causal
 is then aligned at the bottom right, query row r of a chunk of Lq rows seeing key c of Lk iff c <= r + Lk - Lq.
+
+Limited attention, as every kernel takes it: query row r of a segment stands at position ``i = r + Lk - Lq`` of its
+sequence and key column c at position ``j = c`` (the key span starts at the sequence's start). A left ``window``
+W (flash-attn's ``window_size=(W, 0)``; Hugging Face's ``sliding_window`` is W + 1) keeps keys with
+``i - j <= W``; a ``chunk`` C (Llama 4's ``attention_chunk_size``) keeps keys with ``i // C == j // C``; both
+on top of causal. Learned ``sinks`` (GPT-OSS): one logit per query head that joins every row's softmax
+denominator and adds no value, so ``lse`` includes it and the output is scaled by ``1 - exp(sink - lse)``.
 Arithmetic is fp32 whatever the input dtype.  The backward pass uses
 the same recomputation as the kernels: probabilities are rebuilt from the saved log-sum-exp, so the forward
 needs to keep only the output and one fp32 value per (head, token).
@@ -29,10 +36,44 @@ def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap else scores
 
 
-def causal_mask(length: int, device: torch.device, keys: int | None = None) -> torch.Tensor:
-    """(len, keys) boolean, True where key j is visible to query i (j <= i + keys - len; keys defaults to len)."""
+def causal_mask(length: int, device: torch.device, keys: int | None = None, *, window: int | None = None,
+                chunk: int | None = None) -> torch.Tensor:
+    """(len, keys) boolean, True where key j is visible to query row r: ``j <= i`` with ``i = r + keys - len``
+    (keys defaults to len), and ``i - j <= window`` / ``i // chunk == j // chunk`` when given."""
     keys = length if keys is None else keys
-    return torch.ones(length, keys, dtype=torch.bool, device=device).tril(keys - length)
+    visible = torch.ones(length, keys, dtype=torch.bool, device=device).tril(keys - length)
+    if window is None and chunk is None:
+        return visible
+    i = torch.arange(keys - length, keys, device=device)[:, None]  # (len, 1): each row's position
+    j = torch.arange(keys, device=device)[None, :]  # (1, keys)
+    if window is not None:
+        visible &= i - j <= window
+    if chunk is not None:
+        visible &= torch.div(i, chunk, rounding_mode="floor") == torch.div(j, chunk, rounding_mode="floor")
+    return visible
+
+
+def limits_bite(queries: int, keys: int, window: int | None, chunk: int | None) -> bool:
+    """Whether a window or chunk hides any key that causal attention shows in a segment of ``queries`` rows over
+    ``keys`` keys (otherwise the segment is plain causal)."""
+    return (window is not None and keys - 1 > window) or (chunk is not None and keys > chunk)
+
+
+def check_limits(causal: bool, window: int | None, chunk: int | None) -> None:
+    """A ValueError unless ``window`` (>= 0) and ``chunk`` (>= 1) are None or valid, and only on causal
+    attention."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or an int >= 0 (keys i - window .. i are visible), got {window!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
+    if (window is not None or chunk is not None) and not causal:
+        raise ValueError(f"window={window!r} and chunk={chunk!r} limit causal attention; got causal=False")
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks (heads_q,): ``-sum_t exp(sink_h - lse[h, t]) * delta[h, t]``, with ``lse`` (heads_q,
+    tokens) including the sinks and ``delta = rowsum(dout * out)`` of the same shape."""
+    return -(torch.exp(sinks.float()[:, None] - lse) * delta).sum(dim=1).to(sinks.dtype)
 
 
 def segment_pairs(offsets: list[int], offsets_k: list[int] | None) -> list[tuple[int, int, int, int]]:
@@ -52,9 +93,13 @@ def reference_forward(
     softmax_scale: float,
     softcap: float = 0.0,
     offsets_k: list[int] | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward: returns ``out`` like q and ``lse`` (heads_q, total_tokens) in fp32. ``softcap``
-    (when > 0) caps the scaled scores to ``softcap * tanh(s / softcap)``; ``offsets_k``: the keys' own spans."""
+    (when > 0) caps the scaled scores to ``softcap * tanh(s / softcap)``; ``offsets_k``: the keys' own spans;
+    ``window``, ``chunk``, ``sinks``: limited attention and sink logits (module docstring)."""
     total_tokens, heads_q, _ = q.shape
     group_size = heads_q // k.shape[1]
     out = torch.zeros_like(q)
@@ -65,8 +110,11 @@ def reference_forward(
         v_seq = _expand_kv(v[k_start:k_end], group_size)
         scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)  # (heads_q, len, keys)
         if causal:
-            scores = scores.masked_fill(~causal_mask(end - start, q.device, k_end - k_start), float("-inf"))
-        seq_lse = torch.logsumexp(scores, dim=-1)  # (heads_q, len)
+            scores = scores.masked_fill(~causal_mask(end - start, q.device, k_end - k_start, window=window,
+                                                     chunk=chunk), float("-inf"))
+        with_sink = scores if sinks is None else torch.cat(  # the sink: one more logit per row, no value
+            [scores, sinks.float()[:, None, None].expand(-1, end - start, 1)], dim=-1)
+        seq_lse = torch.logsumexp(with_sink, dim=-1)  # (heads_q, len)
         probs = torch.exp(scores - seq_lse.unsqueeze(-1))
         out[start:end] = torch.matmul(probs, v_seq).transpose(0, 1).to(q.dtype)
         lse[:, start:end] = seq_lse
@@ -86,8 +134,12 @@ def reference_backward(
     softmax_scale: float,
     softcap: float = 0.0,
     offsets_k: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of packed attention for q, k and v, recomputing probabilities from the saved ``lse``."""
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of packed attention for q, k, v and the sinks (None without sinks), recomputing probabilities
+    from the saved ``lse``."""
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group_size = heads_q // heads_kv
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -101,7 +153,7 @@ def reference_backward(
         scores = _capped(torch.matmul(q_seq, k_seq.transpose(1, 2)) * softmax_scale, softcap)
         probs = torch.exp(scores - lse[:, start:end].unsqueeze(-1))
         if causal:
-            probs = probs.masked_fill(~causal_mask(length, q.device, keys), 0.0)
+            probs = probs.masked_fill(~causal_mask(length, q.device, keys, window=window, chunk=chunk), 0.0)
         delta = (do_seq * o_seq).sum(dim=-1, keepdim=True)  # (heads_q, len, 1) = rowsum(P * dP)
         grad_probs = torch.matmul(do_seq, v_seq.transpose(1, 2))
         grad_scores = probs * (grad_probs - delta)
@@ -116,10 +168,13 @@ def reference_backward(
         grad_q[start:end] = grad_q_seq.transpose(0, 1).to(q.dtype)
         grad_k[k_start:k_end] = grad_k_seq.transpose(0, 1).to(k.dtype)
         grad_v[k_start:k_end] = grad_v_seq.transpose(0, 1).to(v.dtype)
-    return grad_q, grad_k, grad_v
+    if sinks is None:
+        return grad_q, grad_k, grad_v, None
+    delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(0, 1)  # (heads_q, tokens)
+    return grad_q, grad_k, grad_v, sink_grad(sinks, lse, delta)
 
 
-def softcapped_attention(
+def extended_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -129,12 +184,15 @@ def softcapped_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with a score cap: scores ``s`` become ``softcap * tanh(s / softcap)``
-    before the mask (Gemma 2's eager attention); (B, H, T, D) like SDPA, plain torch. What the graph passes
-    turn a soft-capped eager attention into; the packed rewrite replaces it by the packed op."""
+    """``F.scaled_dot_product_attention`` with a score cap and learned sinks: scores ``s`` become
+    ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's eager attention), and ``sinks`` (one logit per
+    query head, (heads,)) join each row's softmax denominator without a value (GPT-OSS). (B, H, T, D) like SDPA,
+    plain torch. What the graph passes turn a capped or sink-augmented eager attention into; the packed rewrite
+    replaces it by the packed op."""
     if dropout_p:
-        raise ValueError(f"softcapped_attention takes no dropout, got dropout_p={dropout_p!r}")
+        raise ValueError(f"extended_attention takes no dropout, got dropout_p={dropout_p!r}")
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         group = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
@@ -146,4 +204,8 @@ def softcapped_attention(
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
-    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, T, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value)

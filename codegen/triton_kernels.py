@@ -12,7 +12,12 @@ of Lq rows seeing key c of Lk iff c <= r + Lk - Lq). A program handles one block
 head; rows past the sequence's end are masked, programs whose block starts past the end return at once.
 Probabilities are computed base 2: ``p = exp2(s * scale * log2(e) - lse *
 log2(e))``. ``SOFTCAP`` caps the scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2's attention); the
-backward multiplies each score gradient by the cap's derivative. ``seqlen_bucket`` (max_seqlen rounded up to a
+backward multiplies each score gradient by the cap's derivative. ``WINDOW`` / ``CHUNK`` limit causal attention
+(row r at position i = r + shift of its sequence sees key c only if i - c <= window, and only if i // chunk ==
+c // chunk): the loops visit only the key blocks (forward, dq) or query blocks (dk/dv) that can hold a visible
+pair, so the work falls with the window. ``SINKS``: one logit per query head (fp32) that starts every row's
+running maximum and sum (base 2: m = sink * log2(e), l = 1), so ``lse`` includes it; the backward kernels need
+nothing more (they rebuild probabilities from that lse). ``seqlen_bucket`` (max_seqlen rounded up to a
 power of two) is unused by the bodies: it is the autotune key on a GPU. ``UPCAST`` casts loaded q, k, v, dout to
 fp32: the interpreter's ``tl.dot`` multiplies the raw bits of bf16 operands, so bf16 specs set it under
 ``TRITON_INTERPRET=1``. Padding rows use a large finite negative score instead of -inf so that no NaN is formed.
@@ -34,7 +39,7 @@ NEG_LARGE = tl.constexpr(-1.0e30)
 MAX_COMBINE = tl.standard._elementwise_max
 SUM_COMBINE = tl.standard._sum_combine
 
-HELPERS = ("load_tile", "soft_cap")
+HELPERS = ("load_tile", "soft_cap", "visible_pairs", "key_range", "query_range")
 """Bodies the kernels call; jitted with them, in the same mode."""
 
 
@@ -51,12 +56,57 @@ def soft_cap(raw, cap):
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * raw / cap) + 1.0))
 
 
+def visible_pairs(rows, cols, shift, window, chunk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """(rows, cols) True where key ``cols`` is visible to query ``rows`` under the causal, window and chunk
+    limits (row r stands at position r + shift of its sequence, key c at c)."""
+    position = rows[:, None] + shift
+    visible = (cols[None, :] >= 0) & (position >= 0)
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= position)
+    if WINDOW:
+        visible = visible & (position - cols[None, :] <= window)
+    if CHUNK:
+        visible = visible & ((position // chunk) == (cols[None, :] // chunk))
+    return visible
+
+
+def key_range(first_row, last_row, keys, shift, window, chunk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi) of the key columns that rows ``first_row .. last_row`` can see; lo a multiple of BLOCK_N."""
+    lo = first_row * 0
+    hi = keys + first_row * 0
+    if CAUSAL:  # blocks of keys wholly after the last row are never visible
+        hi = tl.minimum(hi, last_row + 1 + shift)
+    if WINDOW:  # nor blocks wholly before the first row's window
+        lo = tl.maximum(lo, first_row + shift - window)
+    if CHUNK:  # nor blocks outside the chunks the rows stand in
+        lo = tl.maximum(lo, ((first_row + shift) // chunk) * chunk)
+        hi = tl.minimum(hi, ((last_row + shift) // chunk + 1) * chunk)
+    return (lo // BLOCK_N) * BLOCK_N, hi
+
+
+def query_range(first_col, last_col, length, shift, window, chunk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[lo, hi) of the query rows that can see keys ``first_col .. last_col``; lo a multiple of BLOCK_M."""
+    lo = first_col * 0
+    hi = length + first_col * 0
+    if CAUSAL:  # rows before the first key's diagonal see none of the block
+        lo = tl.maximum(lo, first_col - shift)
+    if WINDOW:  # rows past the last key's window see none of it
+        hi = tl.minimum(hi, last_col + window + 1 - shift)
+    if CHUNK:
+        lo = tl.maximum(lo, (first_col // chunk) * chunk - shift)
+        hi = tl.minimum(hi, (last_col // chunk + 1) * chunk - shift)
+    return (lo // BLOCK_M) * BLOCK_M, hi
+
+
 def packed_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    scale, softcap, seqlen_bucket,
+    scale, softcap, window, chunk, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -75,18 +125,18 @@ def packed_attention_forward_kernel(
         q = load_tile(q_ptr, start + rows, stride_qt, head, stride_qh, dims, row_ok, UPCAST)
         m_i = tl.full([BLOCK_M], NEG_LARGE, dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        if SINKS:  # the sink is one more logit in every row's denominator, with no value
+            m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(sinks_ptr + head) * LOG2_E
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-        stop = keys
-        if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
-            stop = tl.minimum(keys, (block_m + 1) * BLOCK_M + shift)
-        for col_start in range(0, stop, BLOCK_N):
+        lo, hi = key_range(block_m * BLOCK_M, (block_m + 1) * BLOCK_M - 1, keys, shift, window, chunk, CAUSAL,
+                           WINDOW, CHUNK, BLOCK_N)
+        for col_start in range(lo, hi, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)
             col_ok = cols < keys
             k = load_tile(k_ptr, k_start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
             v = load_tile(v_ptr, k_start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
-            visible = col_ok[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + shift)
+            visible = col_ok[None, :] & visible_pairs(rows, cols, shift, window, chunk, CAUSAL, WINDOW, CHUNK)
             raw = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 raw = soft_cap(raw, softcap)
@@ -107,9 +157,9 @@ def packed_attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dqt, stride_dqh, stride_lh,
-    scale, softcap, seqlen_bucket,
+    scale, softcap, window, chunk, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     block_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -130,17 +180,15 @@ def packed_attention_backward_dq_kernel(
         lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
         delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
         dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-        stop = keys
-        if CAUSAL:  # blocks of keys wholly after the last row of this block are never visible
-            stop = tl.minimum(keys, (block_m + 1) * BLOCK_M + shift)
-        for col_start in range(0, stop, BLOCK_N):
+        lo, hi = key_range(block_m * BLOCK_M, (block_m + 1) * BLOCK_M - 1, keys, shift, window, chunk, CAUSAL,
+                           WINDOW, CHUNK, BLOCK_N)
+        for col_start in range(lo, hi, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)
             col_ok = cols < keys
             k = load_tile(k_ptr, k_start + cols, stride_kt, head_kv, stride_kh, dims, col_ok, UPCAST)
             v = load_tile(v_ptr, k_start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
-            visible = col_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + shift)
+            visible = col_ok[None, :] & row_ok[:, None] & visible_pairs(rows, cols, shift, window, chunk, CAUSAL,
+                                                                        WINDOW, CHUNK)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             if SOFTCAP:
                 s = soft_cap(s, softcap)
@@ -159,9 +207,9 @@ def packed_attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dout_t, stride_dout_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    scale, softcap, seqlen_bucket,
+    scale, softcap, window, chunk, seqlen_bucket,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program owns a block of key rows of one kv head and loops over the GROUP query heads sharing it,
@@ -182,22 +230,21 @@ def packed_attention_backward_dkdv_kernel(
         v = load_tile(v_ptr, k_start + cols, stride_vt, head_kv, stride_vh, dims, col_ok, UPCAST)
         dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
         dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
-        # Causal: query rows before this key block see none of it; start at the block that holds its first key.
-        first_row = 0
-        if CAUSAL:
-            first_row = (tl.maximum(block_n * BLOCK_N - shift, 0) // BLOCK_M) * BLOCK_M
+        # Only the query blocks that can see this key block: from the one holding its first key's diagonal (causal)
+        # to the one holding its last key's window end (a window), within its chunks.
+        first_row, row_stop = query_range(block_n * BLOCK_N, (block_n + 1) * BLOCK_N - 1, length, shift, window,
+                                          chunk, CAUSAL, WINDOW, CHUNK, BLOCK_M)
         for member in range(GROUP):
             head = head_kv * GROUP + member
-            for row_start in range(first_row, length, BLOCK_M):
+            for row_start in range(first_row, row_stop, BLOCK_M):
                 rows = row_start + tl.arange(0, BLOCK_M)
                 row_ok = rows < length
                 q = load_tile(q_ptr, start + rows, stride_qt, head, stride_qh, dims, row_ok, UPCAST)
                 do = load_tile(dout_ptr, start + rows, stride_dout_t, head, stride_dout_h, dims, row_ok, UPCAST)
                 lse2 = tl.load(lse_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0) * LOG2_E
                 delta = tl.load(delta_ptr + head * stride_lh + start + rows, mask=row_ok, other=0.0)
-                visible = col_ok[:, None] & row_ok[None, :]  # transposed: (keys, queries)
-                if CAUSAL:
-                    visible = visible & (cols[:, None] <= rows[None, :] + shift)
+                visible = col_ok[:, None] & row_ok[None, :] & tl.trans(  # transposed: (keys, queries)
+                    visible_pairs(rows, cols, shift, window, chunk, CAUSAL, WINDOW, CHUNK))
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale
                 if SOFTCAP:
                     s_t = soft_cap(s_t, softcap)

@@ -13,10 +13,12 @@ import contextlib
 import functools
 import os
 import types
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from codegen.reference import sink_grad
 from codegen.spec import KernelSpec, spec_space
 
 _TRUE_STRINGS = ("1", "true", "on", "yes")
@@ -92,7 +94,7 @@ def _generate(body_name: str, specs: tuple[KernelSpec, ...], interpret: bool) ->
 
 def _launch(
     body_name: str, specs: tuple[KernelSpec, ...], grid_rows: Callable[[dict], int], grid_rest: tuple[int, int],
-    args: tuple, max_seqlen: int, softcap: float,
+    args: tuple, max_seqlen: int, softcap: float, limits: "Limits",
 ) -> None:
     """Launch a generated kernel with the spec's constexprs; block sizes come from autotuning on a GPU."""
     interpret = interpreting()
@@ -105,7 +107,11 @@ def _launch(
         "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32",
         "UPCAST": spec.upcast_operands,
         "SOFTCAP": softcap > 0,
+        "WINDOW": limits.window is not None,
+        "CHUNK": limits.chunk is not None,
     }
+    if body_name == "packed_attention_forward_kernel":
+        constexprs["SINKS"] = limits.sinks is not None
     if interpret:
         constexprs.update(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n)
     bucket = 1 << max(max_seqlen - 1, 0).bit_length()  # next power of two: the autotune key
@@ -114,6 +120,19 @@ def _launch(
         return (grid_rows(meta), *grid_rest)
 
     kernel[grid](*args, bucket, **constexprs)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What limits attention in one call: the left window, the chunk and the sinks (None: not limited)."""
+
+    window: int | None = None
+    chunk: int | None = None
+    sinks: torch.Tensor | None = None
+
+    def scalars(self) -> tuple[int, int]:
+        """(window, chunk) as the kernels take them (0 when absent; the constexpr flags say which apply)."""
+        return (self.window or 0, self.chunk or 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -127,26 +146,31 @@ def _nothing_to_do(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
 def triton_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     *, causal: bool, softmax_scale: float, softcap: float = 0.0, cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
+    max_seqlen_k: int | None = None, window: int | None = None, chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward with the generated kernel: ``out`` like q and fp32 ``lse`` (heads_q, tokens).
-    ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' own spans (default: the queries')."""
+    ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' own spans (default: the queries'); ``window``, ``chunk``,
+    ``sinks``: limited attention and sink logits (``codegen.reference``)."""
     require_triton_runnable(q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    if sinks is not None:  # rows of an empty batch still count their sink
+        lse += sinks.float()[:, None]
     if _nothing_to_do(q, cu_seqlens, max_seqlen):
         return out, lse
     cu_k, max_k = _key_spans(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     specs = _problem_specs(q, k, causal)
+    limits = Limits(window, chunk, None if sinks is None else sinks.float().contiguous())
     args = (
-        q, k, v, out, lse, cu_seqlens, cu_k,
+        q, k, v, out, lse, cu_seqlens, cu_k, limits.sinks if limits.sinks is not None else lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), softmax_scale, softcap,
+        out.stride(0), out.stride(1), lse.stride(0), softmax_scale, softcap, *limits.scalars(),
     )
     with _device_guard(q.device):
         _launch("packed_attention_forward_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
-                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max(max_seqlen, max_k), softcap)
+                (cu_seqlens.shape[0] - 1, q.shape[1]), args, max(max_seqlen, max_k), softcap, limits)
     return out, lse
 
 
@@ -162,32 +186,36 @@ def triton_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
     softcap: float = 0.0, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for q, k, v: a dq kernel over query blocks and a dk/dv kernel over key blocks."""
+    window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients for q, k, v and the sinks (None without): a dq kernel over query blocks, a dk/dv kernel over
+    key blocks, the sinks' gradient from ``lse`` and ``delta`` in torch."""
     require_triton_runnable(q.device)
     q, k, v, grad_out, lse = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous(), lse.contiguous()
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if _nothing_to_do(q, cu_seqlens, max_seqlen):
-        return grad_q, grad_k, grad_v
     # delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: (tokens, heads_q, d) -> (heads_q, tokens)
     delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(0, 1).contiguous()
+    grad_sinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    if _nothing_to_do(q, cu_seqlens, max_seqlen):
+        return grad_q, grad_k, grad_v, grad_sinks
     cu_k, max_k = _key_spans(cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     longest = max(max_seqlen, max_k)  # the autotune key
     specs = _problem_specs(q, k, causal)
     num_seqs = cu_seqlens.shape[0] - 1
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
               grad_out.stride(0), grad_out.stride(1))
+    limits = Limits(window, chunk)  # the sinks are in lse already
     dq_args = (q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, cu_k, *common,
-               grad_q.stride(0), grad_q.stride(1), lse.stride(0), softmax_scale, softcap)
+               grad_q.stride(0), grad_q.stride(1), lse.stride(0), softmax_scale, softcap, *limits.scalars())
     dkdv_args = (q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, cu_k, *common,
                  grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1), lse.stride(0), softmax_scale,
-                 softcap)
+                 softcap, *limits.scalars())
     with _device_guard(q.device):
         _launch("packed_attention_backward_dq_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
-                (num_seqs, q.shape[1]), dq_args, longest, softcap)
+                (num_seqs, q.shape[1]), dq_args, longest, softcap, limits)
         _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(max_k, meta["BLOCK_N"]),
-                (num_seqs, k.shape[1]), dkdv_args, longest, softcap)
-    return grad_q, grad_k, grad_v
+                (num_seqs, k.shape[1]), dkdv_args, longest, softcap, limits)
+    return grad_q, grad_k, grad_v, grad_sinks
 
 
 def _device_guard(device: torch.device) -> Any:
@@ -205,11 +233,13 @@ KERNEL_BODIES: tuple[str, ...] = (
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
 
-def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict[str, int]:
+def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90, window: bool = False, chunk: bool = False,
+                    sinks: bool = False) -> dict[str, int]:
     """Compile one kernel body for an NVIDIA GPU of compute capability ``arch`` without needing that GPU.
 
     Proves the generated kernel is valid compiled Triton (not only interpretable) and reports its resource use:
-    ``{"shared_bytes": ..., "num_warps": ...}``.  Needs triton's CUDA backend (its bundled ptxas), not a GPU.
+    ``{"shared_bytes": ..., "num_warps": ...}``.  ``window`` / ``chunk`` / ``sinks``: compile the limited
+    variants. Needs triton's CUDA backend (its bundled ptxas), not a GPU.
     """
     import inspect
 
@@ -224,13 +254,15 @@ def compile_for_gpu(spec: KernelSpec, body_name: str, *, arch: int = 90) -> dict
     constexprs = {
         "HEAD_DIM": spec.head_dim, "CAUSAL": spec.causal, "GROUP": spec.group_size,
         "DOT_PRECISION": "ieee" if spec.ieee_dot else "tf32", "UPCAST": spec.upcast_operands, "SOFTCAP": False,
-        "BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n,
+        "WINDOW": window, "CHUNK": chunk, "BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n,
     }
+    if body_name == "packed_attention_forward_kernel":
+        constexprs["SINKS"] = sinks
     signature = {}
     for name in inspect.signature(body).parameters:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("lse_ptr", "delta_ptr"):
+        elif name in ("lse_ptr", "delta_ptr", "sinks_ptr"):
             signature[name] = "*fp32"
         elif name in ("cu_seqlens_ptr", "cu_seqlens_k_ptr"):
             signature[name] = "*i32"

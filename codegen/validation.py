@@ -123,3 +123,16 @@ def check_key_offsets(cu_seqlens_k: torch.Tensor, total_keys: int, max_seqlen_k:
 
 def _lengths(offsets: list[int]) -> list[int]:
     return [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Sink logits, when given: one floating-point value per query head, on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a 1-D tensor of one logit per query head ({q.shape[1]}), got {shape}")
+    if not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks.dtype={sinks.dtype}; it must be a floating-point dtype")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")

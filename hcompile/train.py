@@ -32,8 +32,9 @@ from hcompile.cost import (
 )
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, tokens_a_rank_holds
-from hcompile.verify import prepare_strategy
+from hcompile.verify import SELF_CHECK_MAX_TOKENS, prepare_strategy, self_check_cost
 from passes.graph.analyze import token_vocab
+from passes.graph.attention_masks import attention_shape
 from passes.graph.lowering import LoweringCache, StageVariants
 from passes.graph.normalize import canonical_graph
 from passes.graph.pass_runner import PassError
@@ -118,6 +119,10 @@ class TrainOptions:
     the whole model twice on every rank)."""
     self_check_max_params: int = 1 << 28
     """The largest model (in parameters) the self-check runs on."""
+    self_check_max_tokens: int = SELF_CHECK_MAX_TOKENS
+    """Bound on the self-check's probe, in tokens of one micro-batch (``bucket * cp``): each scheme is probed at its
+    largest bucket within it, with a sequence longer than every window and chunk of the model; what the bound
+    leaves out is logged as a warning (``hcompile.verify.probe_plan``)."""
     overlap_movement: bool = False
     """Move parameters and gradients window by window of the fixed layout, overlapped with compute
     (``runtime.overlap``): each stage is cut into ``movement_pieces`` pieces (each compiled on its own), a piece
@@ -152,6 +157,10 @@ class TrainOptions:
         value = self.tokens_per_rank
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tokens_per_rank must be a positive integer or None, got {value!r}")
+        for name in ("self_check_max_params", "self_check_max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         _check_optimizer(self.optimizer, self.elementwise_optimizer)
         if (problem := setting_problem(self.optimizer_kwargs)) is not None:
             raise ValueError(f"optimizer_kwargs must be finite numbers, got {problem}: every weight would become "
@@ -229,12 +238,15 @@ class Trainer:
             *self._compute_copies(), buckets=self.buckets, cost_tokens=self.cost_model.max_tokens,
             pieces=options.movement_pieces if options.overlap_movement else 1)
         """This trainer's lowerings, variants and stage programs (bound to its compute copies)."""
+        self.cost_model = self._shaped(self.cost_model, analysed)
         params = sum(p.numel() for p in compiled.model.parameters())
         self._self_check = options.self_check and params <= options.self_check_max_params
         if options.self_check and not self._self_check and self.ctx.rank == 0:
+            need, flops = self_check_cost(params, options.self_check_max_tokens, _bytes(self.param_dtype))
             log.warning("the lowering self-check is skipped: the model has %d parameters, more than "
-                        "self_check_max_params=%d (check the same architecture at a smaller size instead)",
-                        params, options.self_check_max_params)
+                        "self_check_max_params=%d (its probe would hold about %.0f GB per rank and run %.2g FLOP; "
+                        "check the same architecture at a smaller size instead)",
+                        params, options.self_check_max_params, need / 1e9, flops)
         calibrate = options.calibrate and self.ctx.rank == 0  # busy times: CUDA events on GPUs, CPU time here
         self.calibration = OnlineCalibration(self.cost_model) if calibrate else None
         """Rank 0's per-scheme correction of the cost model from measured steps (None: not calibrating)."""
@@ -251,6 +263,18 @@ class Trainer:
         self._compute_end: float | None = None
         """When the last step's compute phase ended (rank 0's clock): what the next plan may hide behind."""
         self.last_plan = None
+
+    def _shaped(self, model: CostModel, analysed) -> CostModel:
+        """``model`` with each sequence's attention work shaped by the model's windows and chunks, as decided for
+        the scheme with the largest micro-batches; unchanged when they cannot be decided here (that scheme's
+        lowering is then refused with a ``LoweringError`` on every rank before its first step)."""
+        widest = max(model.entries, key=lambda e: (self.lowerings.top_bucket(e.scheme), e.max_tokens))
+        try:
+            limits = self.lowerings.attention_limits(widest.scheme)
+        except PassError as exc:
+            log.debug("attention limits not decided for the cost model: %s", exc)
+            return model
+        return model.limited(attention_shape(canonical_graph(analysed), limits))
 
     def _compute_copies(self) -> tuple[torch.dtype | None, torch.device | None]:
         """(dtype, device) the model is captured for: those of the compute copies."""
@@ -341,7 +365,8 @@ class Trainer:
             dry = _dry_plan(strategy, [0] * len(replicas), self.cost_model.gpus_per_node)
             prepare_strategy(dry, rank=self.ctx.rank, groups=self.executor.groups_for(dry), lowerings=self.lowerings,
                              model=self.compiled.model, device=self.ctx.device, dtype=self.param_dtype,
-                             self_check=self._self_check, checked=self._checked, vocab=self.vocab_size)
+                             self_check=self._self_check, checked=self._checked, vocab=self.vocab_size,
+                             probe_tokens=self.options.self_check_max_tokens)
             self._warm.add(strategy)
             self._warm_places.update(zip(replicas, self._placement(strategy)))
             for bucket in (b for b in self.buckets.sizes if b <= max(top)):

@@ -10,6 +10,7 @@ job (this rank's replica, stage and TP group), agrees on the verdict over all ra
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
@@ -18,16 +19,20 @@ from torch.func import functional_call
 
 from hcompile.capture import without_kv_cache
 from passes.graph.lowering import Lowering, LoweringCache, lower_graph
-from passes.graph.lowering_check import LoweringError, Reference, check_lowering
+from passes.graph.lowering_check import LoweringError, Reference, check_lowering, probe_lengths
 from passes.plan.ir import StepPlan
 from runtime import distributed as comm
 
 if TYPE_CHECKING:
     from runtime.distributed import GroupCache
 
-__all__ = ["model_reference", "prepare_strategy", "LoweringError"]
+__all__ = ["model_reference", "prepare_strategy", "probe_plan", "ProbePlan", "LoweringError", "SELF_CHECK_MAX_TOKENS",
+           "self_check_cost"]
 
 log = logging.getLogger("hcompile")
+
+SELF_CHECK_MAX_TOKENS = 16384
+"""Default bound on the tokens of the self-check's probe (``bucket * cp``): its cost grows with them."""
 
 
 def model_reference(model: nn.Module, device: torch.device) -> Reference:
@@ -62,11 +67,13 @@ def _refuse(errors: list[str], what: str) -> None:
 
 def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerings: LoweringCache, model: nn.Module,
                      device: torch.device, dtype: torch.dtype, self_check: bool, checked: set,
-                     vocab: int | None) -> None:
-    """Build this rank's lowering of ``plan``'s strategy and its variant at the first token bucket and, with
-    ``self_check``, check the lowering on a probe the first time this (scheme, TP rank) is met (``checked``
-    remembers them). ``plan``: the strategy placed (its data does not matter); ``groups``: its process groups.
-    Collective; raises the same :class:`LoweringError` on every rank when any rank failed."""
+                     vocab: int | None, probe_tokens: int = SELF_CHECK_MAX_TOKENS) -> None:
+    """Build this rank's lowering of ``plan``'s strategy (deciding every attention's limits on the captures of
+    every bucket it runs) and its variant at every token bucket it runs and, with ``self_check``, check the lowering
+    on a probe at its largest bucket the first time this (scheme, TP rank) is met (``checked`` remembers them;
+    ``probe_tokens`` bounds the probe, :func:`probe_plan`). ``plan``: the strategy placed (its data does not
+    matter); ``groups``: its process groups. Collective; raises the same :class:`LoweringError` on every rank
+    when any rank failed."""
     strategy = plan.strategy
     place = plan.place_of(rank)
     stage, tp_rank, cp_rank = place.stage, place.tp_rank, place.cp_rank
@@ -75,8 +82,9 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
     group = comm.group_name(groups.get(replica.tp_group(stage, cp_rank)))
     cp_group = comm.group_name(groups.get(replica.cp_group(stage, tp_rank))) if scheme.cp > 1 else None
     error = None
-    try:
-        lowerings.variant(scheme, stage, lowerings.buckets.sizes[0], tp_rank, group, cp_rank, cp_group)
+    try:  # every bucket the scheme runs: a rewrite that fails at any of them fails here, on every rank alike
+        for bucket in (b for b in lowerings.buckets.sizes if b <= lowerings.top_bucket(scheme)):
+            lowerings.variant(scheme, stage, bucket, tp_rank, group, cp_rank, cp_group)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, whatever it is
         error = f"{scheme.describe()} on rank {rank}: {type(e).__name__}: {e}"
     _refuse(_agree(error), f"strategy {strategy.describe()} cannot be lowered")
@@ -87,7 +95,7 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
         checked.add(key)
         try:
             report = _check(lowerings, lowerings.lowering(scheme, stage, tp_rank, group, cp_rank, cp_group), group,
-                            vocab, model, device, dtype)
+                            vocab, model, device, dtype, probe_tokens)
             error = None if report.ok else report.describe()
             log.debug("lowering check: %s", report.describe())
         except Exception as e:  # noqa: BLE001
@@ -98,16 +106,65 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
             "model)")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbePlan:
+    """Where the self-check probes one scheme's lowering: which bucket, which sequences, and what it leaves out."""
+
+    bucket: int
+    """Tokens per rank of the probe's micro-batch (the scheme's largest bucket, unless bounded)."""
+    lens: tuple[int, ...]
+    """The probe's sequence lengths."""
+    skipped: str | None
+    """What the bound left unprobed (None: the probe covers what the scheme trains)."""
+
+
+def self_check_cost(params: int, tokens: int, compute_bytes: int) -> tuple[float, float]:
+    """(bytes, FLOPs) a rank spends on its self-check probe, activations left out: the probe's values of every
+    parameter, the reference model's parameters and gradients (three whole copies of the model in the compute
+    dtype) and the lowered program's slices with their gradients (at most two more), and a forward and backward
+    pass of the whole model over the probe's ``tokens`` for the reference and again for the lowering (6 FLOPs
+    per parameter per token each). At 16384 tokens in bf16: 7B parameters, 70 GB and 1.4 PFLOP; 32B, 320 GB and
+    6.3 PFLOP; hence ``self_check_max_params``."""
+    return 5.0 * params * compute_bytes, 12.0 * params * tokens
+
+
+def probe_plan(lowerings: LoweringCache, lowering: Lowering, max_tokens: int = SELF_CHECK_MAX_TOKENS) -> ProbePlan:
+    """The probe for ``lowering``'s scheme: at the largest bucket a rank of it runs, a long sequence filling
+    most of the micro-batch and longer than every window and chunk the model keeps (where the scheme trains
+    such sequences), plus short ones. ``max_tokens`` bounds ``bucket * cp``: above it the probe moves to the
+    largest bucket within it and says what it skipped."""
+    scheme = lowering.scheme
+    top = lowerings.top_bucket(scheme)
+    longest = lowerings.longest_sequence(scheme)
+    limit = max((limits.longest for _, limits in lowering.attention), default=0)
+    within = [b for b in lowerings.buckets.sizes if b <= top and b * scheme.cp <= max_tokens]
+    bucket = within[-1] if within else lowerings.buckets.sizes[0]
+    lens = probe_lengths(bucket, scheme.cp, longest=longest, limit=limit)
+    skipped = []
+    if bucket < top:
+        skipped.append(f"buckets {bucket * 2 if bucket * 2 <= top else top}..{top} tokens per rank")
+    if limit + 1 < longest and lens[0] <= limit:
+        skipped.append(f"sequences longer than its longest window or chunk ({limit} tokens)")
+    return ProbePlan(bucket=bucket, lens=lens, skipped=", ".join(skipped) or None)
+
+
 def _check(lowerings: LoweringCache, lowering: Lowering, group: str | None, vocab: int | None, model: nn.Module,
-           device: torch.device, dtype: torch.dtype):
-    """The decided lowering of (scheme, TP rank, CP rank), every stage of it, on a probe at the first bucket."""
+           device: torch.device, dtype: torch.dtype, max_tokens: int = SELF_CHECK_MAX_TOKENS):
+    """The decided lowering of (scheme, TP rank, CP rank), every stage of it, on a probe at its largest bucket
+    (:func:`probe_plan`)."""
     scheme, tp_rank = lowering.scheme, lowering.tp_rank
     lower: Callable = lambda gm: lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group,  # noqa: E731
                                              attention_kernel=lowerings.kernel,
                                              tensor_parallel=lowering.tensor_parallel, pipeline=lowering.pipeline,
-                                             cp_rank=lowering.cp_rank, cp_group=lowering.cp_group)
-    return check_lowering(lowerings.capture(lowerings.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=group,
+                                             cp_rank=lowering.cp_rank, cp_group=lowering.cp_group,
+                                             attention=lowering.attention_limits)
+    probe = probe_plan(lowerings, lowering, max_tokens)
+    if probe.skipped and tp_rank == 0 and lowering.cp_rank == 0:
+        log.warning("lowering self-check of %s: the probe (%s tokens in buckets of %d) leaves out %s "
+                    "(self_check_max_tokens=%d bounds it)", scheme.describe(), list(probe.lens), probe.bucket,
+                    probe.skipped, max_tokens)
+    return check_lowering(lowerings.capture(probe.bucket), scheme, tp_rank=tp_rank, tp_group=group,
                           lower=lower, reference=model_reference(model, device),
                           buffer=lambda n, v: lowerings.buffer(n) if v.device.type == "meta" else v,
                           vocab=vocab or 2, device=device, dtype=dtype, cp_rank=lowering.cp_rank,
-                          cp_group=lowering.cp_group)
+                          cp_group=lowering.cp_group, lens=probe.lens)

@@ -79,3 +79,46 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, *, floor: float
         return 0.0
     scale = max(expected.double().abs().max().item(), floor)
     return (actual.double() - expected.double()).abs().max().item() / scale
+
+
+def segment_leaves(queries: list[int], keys: list[int], *, heads_q: int, heads_kv: int, head_dim: int, seed: int,
+                   sinks: bool = False) -> tuple:
+    """q for query spans ``queries``, k and v for key spans ``keys`` (leaves that require grad), and one sink logit
+    per query head when ``sinks`` (else None)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    q = leaf(sum(queries), heads_q, head_dim)
+    k, v = leaf(sum(keys), heads_kv, head_dim), leaf(sum(keys), heads_kv, head_dim)
+    s = (2.0 * torch.randn(heads_q, generator=g)).requires_grad_() if sinks else None
+    return q, k, v, s
+
+
+def segment_oracle(q, k, v, queries: list[int], keys: list[int], *, scale: float, causal: bool = True,
+                   window: int | None = None, chunk: int | None = None, sinks=None) -> torch.Tensor:
+    """Dense float64 attention per segment, plain autograd: query row r of Lq rows stands at position
+    r + Lk - Lq of its sequence, key c at c; (causal) visible iff c <= position, position - c <= window and
+    position // chunk == c // chunk; a sink is one more logit with no value."""
+    group = q.shape[1] // k.shape[1]
+    outs, q_at, k_at = [], 0, 0
+    for lq, lk in zip(queries, keys):
+        qs = q[q_at:q_at + lq].double().transpose(0, 1)  # (H, lq, d)
+        ks = k[k_at:k_at + lk].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[k_at:k_at + lk].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) * scale  # (H, lq, lk)
+        if causal:
+            position = torch.arange(lk - lq, lk)[:, None]
+            key = torch.arange(lk)[None, :]
+            hidden = key > position
+            if window is not None:
+                hidden |= position - key > window
+            if chunk is not None:
+                hidden |= position // chunk != key // chunk
+            scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, lq, 1)], dim=-1)
+        outs.append((torch.softmax(scores, dim=-1)[..., :lk] @ vs).transpose(0, 1))
+        q_at, k_at = q_at + lq, k_at + lk
+    return torch.cat(outs).float()

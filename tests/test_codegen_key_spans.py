@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from codegen_cases import segment_leaves, segment_oracle
 
 import codegen
 
@@ -22,32 +23,8 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 
 
 def _segments(queries: list[int], keys: list[int], *, heads_q: int, heads_kv: int, head_dim: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-
-    def leaf(tokens: int, heads: int) -> torch.Tensor:
-        return torch.randn(tokens, heads, head_dim, generator=generator).requires_grad_()
-
-    q = leaf(sum(queries), heads_q)
-    k, v = leaf(sum(keys), heads_kv), leaf(sum(keys), heads_kv)
+    q, k, v, _ = segment_leaves(queries, keys, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, seed=seed)
     return q, k, v, _offsets(queries), _offsets(keys)
-
-
-def _oracle(q, k, v, queries: list[int], keys: list[int], *, causal: bool, scale: float) -> torch.Tensor:
-    """Per segment: the query rows are the last ``len(queries)`` positions of a sequence whose keys are all of
-    ``keys``; a row at absolute position p sees keys at positions <= p. Dense, float64, plain autograd."""
-    group = q.shape[1] // k.shape[1]
-    outs, q_at, k_at = [], 0, 0
-    for lq, lk in zip(queries, keys):
-        qs = q[q_at:q_at + lq].double().transpose(0, 1)  # (H, lq, d)
-        ks = k[k_at:k_at + lk].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = v[k_at:k_at + lk].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = qs @ ks.transpose(1, 2) * scale
-        if causal:
-            row_position = torch.arange(lk - lq, lk)[:, None]
-            scores = scores.masked_fill(torch.arange(lk)[None, :] > row_position, float("-inf"))
-        outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
-        q_at, k_at = q_at + lq, k_at + lk
-    return torch.cat(outs).float()
 
 
 CASES = [
@@ -69,7 +46,7 @@ def test_key_spans_match_the_oracle(kernel, causal, case):
                                    cu_seqlens_k=cu_k, max_seqlen_k=max(keys))
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
-    want_out = _oracle(q, k, v, queries, keys, causal=causal, scale=scale)
+    want_out = segment_oracle(q, k, v, queries, keys, causal=causal, scale=scale)
     want = torch.autograd.grad(want_out, (q, k, v), grad)
     torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
     for name, a, b in zip("qkv", got, want):

@@ -123,12 +123,12 @@ def test_soft_capped_scores_match_dense_attention_forward_and_backward(kernel):
         assert relative_error(g, e.float()) < 1e-5, name
 
 
-def test_softcapped_attention_is_sdpa_without_a_cap_and_capped_with_one():
+def test_extended_attention_is_sdpa_without_a_cap_and_capped_with_one():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 6, 8, generator=g) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(codegen.reference.softcapped_attention(q, k, v, is_causal=True), sdpa)
-    capped = codegen.reference.softcapped_attention(q * 4, k, v, is_causal=True, softcap=1.0)
+    torch.testing.assert_close(codegen.reference.extended_attention(q, k, v, is_causal=True), sdpa)
+    capped = codegen.reference.extended_attention(q * 4, k, v, is_causal=True, softcap=1.0)
     scores = (1.0 * torch.tanh((q * 4) @ k.transpose(-2, -1) / 8 ** 0.5)).masked_fill(
         ~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
     torch.testing.assert_close(capped, torch.softmax(scores, -1) @ v)

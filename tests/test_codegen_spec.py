@@ -94,3 +94,15 @@ def test_generated_kernels_compile_for_sm90(body):
     resources = compile_for_gpu(spec, body, arch=90)
     assert resources["num_warps"] == 4
     assert 0 < resources["shared_bytes"] <= 1.25 * spec.shared_memory_bytes()  # the estimate is close
+
+
+@pytest.mark.skipif(not _HAS_CUDA_BACKEND, reason="needs triton's CUDA backend (ptxas), not a GPU")
+@pytest.mark.parametrize("body", ["packed_attention_forward_kernel", "packed_attention_backward_dq_kernel",
+                                  "packed_attention_backward_dkdv_kernel"])
+def test_limited_kernels_compile_for_sm90(body):
+    """The window, chunk and sink variants compile too (their loop bounds are runtime values)."""
+    from codegen.triton_launch import compile_for_gpu
+
+    spec = _spec(head_dim=64, dtype=torch.bfloat16, block_m=64, block_n=32, num_warps=4)
+    resources = compile_for_gpu(spec, body, arch=90, window=True, chunk=True, sinks=True)
+    assert resources["num_warps"] == 4 and resources["shared_bytes"] > 0

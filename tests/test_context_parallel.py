@@ -60,8 +60,9 @@ def test_one_rank_is_plain_packed_attention():
     assert layout.ranks == ((layout.ranks[0][0], layout.ranks[0][1]),) and layout.tokens(0) == 13
 
 
-def _dense(q, k, v, lengths):
-    """Causal attention of each whole sequence, float64 dense, plain autograd."""
+def _dense(q, k, v, lengths, window=None, chunk=None, sinks=None):
+    """Causal attention of each whole sequence (within a window and chunks, with sinks), float64 dense, plain
+    autograd."""
     outs, at = [], 0
     group = q.shape[1] // k.shape[1]
     for n in lengths:
@@ -69,8 +70,13 @@ def _dense(q, k, v, lengths):
         ks = k[at:at + n].double().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[at:at + n].double().repeat_interleave(group, 1).transpose(0, 1)
         scores = (qs @ ks.transpose(1, 2)) / qs.shape[-1] ** 0.5
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        outs.append((torch.softmax(scores, -1) @ vs).transpose(0, 1))
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        hidden = (j > i) | ((i - j > window) if window is not None else False) | \
+            ((i // chunk != j // chunk) if chunk is not None else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, n, 1)], dim=-1)
+        outs.append((torch.softmax(scores, -1)[..., :n] @ vs).transpose(0, 1))
         at += n
     return torch.cat(outs).float()
 
@@ -81,34 +87,47 @@ def _local_rows(layout, rank, lengths):
                         dtype=torch.long)
 
 
-def _cp_worker(rank, world, lengths, split_at, kernel):
+def _cp_worker(rank, world, lengths, split_at, kernel, limits):
     import os
     os.environ["TRITON_INTERPRET"] = "1"
+    window, chunk, with_sinks = limits
     torch.manual_seed(0)  # the same whole tensors on every rank; each rank keeps its own rows
     total, heads_q, heads_kv, dim = sum(lengths), 4, 2, 16
     q, k, v = (torch.randn(total, h, dim) for h in (heads_q, heads_kv, heads_kv))
     grad = torch.randn(total, heads_q, dim)
+    sinks = torch.randn(heads_q) if with_sinks else None
     layout = cp_layout(lengths, cp=world, split_at=split_at)
     rows = _local_rows(layout, rank, lengths)
     lq, lk, lv = (x[rows].clone().requires_grad_() for x in (q, k, v))
+    ls = sinks.clone().requires_grad_() if with_sinks else None
     inputs = CpAttentionInputs.build(layout, rank)
-    out = cp_attention(lq, lk, lv, inputs, dist.group.WORLD.group_name, kernel=kernel)
+    out = cp_attention(lq, lk, lv, inputs, dist.group.WORLD.group_name, kernel=kernel, window=window, chunk=chunk,
+                       sinks=ls)
     (out * grad[rows]).sum().backward()
 
     wq, wk, wv = (x.clone().requires_grad_() for x in (q, k, v))
-    want = _dense(wq, wk, wv, lengths)
+    ws = sinks.clone().requires_grad_() if with_sinks else None
+    want = _dense(wq, wk, wv, lengths, window, chunk, ws)
     (want * grad).sum().backward()
+    if with_sinks:  # each rank's rows add their part of the sinks' gradient
+        summed = ls.grad.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, ws.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out, want[rows], atol=3e-5, rtol=3e-5)
     for name, got, ref in (("q", lq.grad, wq.grad), ("k", lk.grad, wk.grad), ("v", lv.grad, wv.grad)):
         torch.testing.assert_close(got, ref[rows], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
     return layout.tokens(rank)
 
 
-@pytest.mark.parametrize("world,lengths,split_at,kernel", [
-    (2, [37, 6, 21, 2], 16, "cpu-flash"),   # two split sequences (odd lengths), two whole ones
-    (4, [70, 9, 33, 1], 16, "reference"),
-    (2, [24, 11], 16, "triton"),            # the Triton kernels under the interpreter
+@pytest.mark.parametrize("world,lengths,split_at,kernel,limits", [
+    (2, [37, 6, 21, 2], 16, "cpu-flash", (None, None, False)),   # two split sequences (odd lengths), two whole ones
+    (4, [70, 9, 33, 1], 16, "reference", (None, None, False)),
+    (2, [24, 11], 16, "triton", (None, None, False)),            # the Triton kernels under the interpreter
+    # a window and chunks shorter than the split sequences, which positions count over the whole sequence
+    (2, [37, 6, 21, 2], 16, "cpu-flash", (9, None, True)),
+    (4, [70, 9, 33, 1], 16, "reference", (20, 16, True)),
+    (2, [40, 11], 16, "triton", (None, 16, True)),
 ])
-def test_cp_attention_matches_whole_sequence_attention(tmp_path, world, lengths, split_at, kernel):
-    tokens = run_ranks(world, tmp_path, _cp_worker, lengths, split_at, kernel, timeout_s=300)
+def test_cp_attention_matches_whole_sequence_attention(tmp_path, world, lengths, split_at, kernel, limits):
+    tokens = run_ranks(world, tmp_path, _cp_worker, lengths, split_at, kernel, limits, timeout_s=300)
     assert sum(tokens) == sum(lengths)

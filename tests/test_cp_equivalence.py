@@ -1,7 +1,9 @@
 """Context parallelism trains exactly: on 4 gloo ranks, strategies with CP replicas (1x(cp4), 1x(tp2,cp2),
 1x(cp2)+2x(tp1), 1x(pp2,cp2)) train batches whose longest sequences no replica of the same strategy without CP
-could hold, GPT and an unmodified Hugging Face LLaMA (GQA, rotary positions from position ids), each step
-equal to plain single-process SGD at 1e-5: the loss and every parameter. Each CP replica splits the long
+could hold, GPT and an unmodified Hugging Face Mistral (GQA, rotary positions from position ids, a sliding window
+of 8 that each CP rank applies on whole-sequence positions), and in ``make test-full`` Llama 4 with chunks of 8
+(counted from each whole sequence's start), each step equal to plain single-process SGD at 1e-5: the loss and
+every parameter. Each CP replica splits the long
 sequences over its ranks (every rank's positions those of the whole sequence, every pair scored once), runs
 several micro-batches, and passes the lowering self-check on a probe first."""
 
@@ -53,7 +55,7 @@ def _vocab(name: str) -> int:
 
 
 def _steps(name: str) -> list:
-    """GPT every step; the HF LLaMA two of them in ``make test`` (all four in ``make test-full``)."""
+    """GPT every step; the HF models two of them in ``make test`` (all four in ``make test-full``)."""
     return STEPS if name == "gpt" or FULL else [STEPS[1], STEPS[2]]
 
 
@@ -73,7 +75,7 @@ def _train(rank, world, name):
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "mistral", pytest.param("llama4_chunked", marks=[pytest.mark.slow])])
 def test_context_parallel_steps_match_single_process_sgd(tmp_path, name):
     results = run_ranks(4, tmp_path, _train, name, timeout_s=500)
     for step, (strategy, lens) in enumerate(_steps(name)):

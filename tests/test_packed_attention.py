@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+import codegen
 import hcompile
 from hcompile.models import GPT, Llama, init_weights_
 from passes.graph.packed_attention import packed_positions, rewrite_packed_attention_pass
@@ -38,7 +39,7 @@ graph():
     %x : [num_users=1] = placeholder[target=x]
     %cu_seqlens : torch.Tensor [num_users=2] = placeholder[target=cu_seqlens]
     %max_seqlen : int [num_users=1] = placeholder[target=max_seqlen]
-    %packed_positions : [num_users=1] = call_function[target=passes.graph.packed_attention.packed_positions](args = (%cu_seqlens, 6), kwargs = {dtype: torch.int64})
+    %packed_positions : [num_users=1] = call_function[target=passes.graph.attention_masks.packed_positions](args = (%cu_seqlens, 6), kwargs = {dtype: torch.int64})
     %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%packed_positions, (None, slice(None, None, None), None)), kwargs = {})
     %add : [num_users=1] = call_function[target=operator.add](args = (%x, %getitem), kwargs = {})
     %view : [num_users=1] = call_method[target=view](args = (%add, 1, 6, 2, 16), kwargs = {})
@@ -155,28 +156,27 @@ class _MaskedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, q, q, attn_mask=mask[None, None])
 
 
-@pytest.mark.parametrize("window", [1000, 24])
-def test_a_mask_built_from_positions_is_dropped_when_causal_within_sequences(window):
-    """Evaluated on a probe of packed sequences it equals causal-within-sequence, so packed attention (which
-    is exactly that) replaces it; a window longer than any sequence is no window."""
+@pytest.mark.parametrize("window, kept", [(1000, None), (24, None), (4, 3)])
+def test_a_mask_built_from_positions_becomes_the_ops_window(window, kept):
+    """Evaluated on one sequence and on a probe of packed sequences, the mask is causal within each sequence and a
+    window of ``window`` tokens, so packed attention with window ``window - 1`` replaces it (a window longer than
+    any sequence is none); the packed program equals the model on each sequence alone."""
     model = _MaskedAttention(window)
     gm = hcompile.capture(model, torch.randn(1, 24, 32)).graph_module
     out, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
     assert records[0].modified and records[0].info["positions"] == 1  # the index aranges stay
     assert not any(n.target is torch.diff for n in out.graph.nodes), "the mask is gone"
+    op = next(n for n in out.graph.nodes if n.target is codegen.packed_attention)
+    assert op.kwargs.get("window") == kept
     x = torch.randn(1, 24, 32)
     cu = torch.tensor([0, 10, 17, 24], dtype=torch.int32)
     expected = torch.cat([model(x[:, a:b]) for a, b in [(0, 10), (10, 17), (17, 24)]], dim=2)
     torch.testing.assert_close(out(x, cu, 10)[0], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model, message", [
-    (_MaskedAttention(window=4), "not causal within each packed sequence .*sliding window shorter than 24"),
-    (_MaskedAttention(window=1000, causal=False), "not causal within each packed sequence"),
-])
-def test_other_masks_are_a_named_error(model, message):
-    gm = hcompile.capture(model, torch.randn(1, 24, 32)).graph_module
-    with pytest.raises(PassError, match=message):
+def test_a_mask_that_is_not_causal_is_a_named_error():
+    gm = hcompile.capture(_MaskedAttention(window=1000, causal=False), torch.randn(1, 24, 32)).graph_module
+    with pytest.raises(PassError, match="is not causal: query 0 sees the later key 1"):
         rewrite_packed_attention_pass(gm, PassContext())
 
 

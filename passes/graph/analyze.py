@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from codegen.reference import softcapped_attention
+from codegen.reference import extended_attention
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost
 
@@ -55,7 +55,7 @@ class OpClass(enum.Enum):
     OTHER = "other"
 
 
-SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention, softcapped_attention)
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention, extended_attention)
 """Attention calls in SDPA form (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa): SDPA itself and
 the soft-capped attention that ``fold_eager_attention_pass`` makes of an eager one."""
 _LINEAR = (F.linear, torch._C._nn.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm)

@@ -207,15 +207,17 @@ class CpAttentionInputs:
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: CpAttentionInputs, group: str, *,
-                 softmax_scale: float | None = None, softcap: float | None = None,
-                 kernel: str = "auto") -> torch.Tensor:
+                 softmax_scale: float | None = None, softcap: float | None = None, kernel: str = "auto",
+                 window: int | None = None, chunk: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries (T_local, heads, dim) over their whole sequences, whose keys
     and values are spread over the group named ``group``; differentiable in q, k and v (k and v's gradients
-    include what the other ranks' queries contribute)."""
+    include what the other ranks' queries contribute). ``window``, ``chunk``, ``sinks``: as the packed op takes
+    them, positions counted over the whole sequence (each query piece's keys start at its sequence's start)."""
     return cp_packed_attention(q, k, v, inputs.key_rows, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
                                inputs.max_seqlen_q, inputs.max_seqlen_k, group=group, width=inputs.width,
                                cp=inputs.cp, rank=inputs.rank, softmax_scale=softmax_scale, softcap=softcap,
-                               kernel=kernel)
+                               kernel=kernel, window=window, chunk=chunk, sinks=sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,8 +272,9 @@ class CpShare:
 def cp_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
                         cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen: int, max_seqlen_k: int, *,
                         group: str, width: int, cp: int, rank: int, causal: bool = True,
-                        softmax_scale: float | None = None, softcap: float | None = None,
-                        kernel: str = "auto") -> torch.Tensor:
+                        softmax_scale: float | None = None, softcap: float | None = None, kernel: str = "auto",
+                        window: int | None = None, chunk: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`cp_attention` with its inputs spelled out, as the rewritten graph calls it (the name says packed
     attention, so graph analysis costs it as attention). ``width``: the rows every rank gathers (its token
     count, padding included); ``causal`` must be True (a context-parallel chunk sees its sequence's start)."""
@@ -282,7 +285,7 @@ def cp_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_r
     return codegen.packed_attention(q, k_all.index_select(0, key_rows), v_all.index_select(0, key_rows), cu_seqlens,
                                     max_seqlen, causal=True, softmax_scale=softmax_scale, softcap=softcap,
                                     kernel=kernel, validate=False, cu_seqlens_k=cu_seqlens_k,
-                                    max_seqlen_k=max_seqlen_k)
+                                    max_seqlen_k=max_seqlen_k, window=window, chunk=chunk, sinks=sinks)
 
 
 def whole_sequence_positions(positions: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -18,8 +18,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
+from passes.graph.attention_masks import MaskLimits, decide_attention_limits
 from passes.graph.context_parallel import rewrite_context_parallel_pass
-from passes.graph.normalize import CANONICAL_PASSES
+from passes.graph.normalize import CANONICAL_PASSES, canonical_graph
 from passes.graph.packed_attention import rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassRecord, copy_graph_module, propagate_vals, run_passes
 from passes.graph.pipeline_split import (
@@ -78,6 +79,14 @@ class Lowering:
     """This rank's index in its context-parallel group (0 when cp == 1)."""
     cp_group: str | None = None
     """Name of the context-parallel process group the attention gathers over (None when cp == 1)."""
+    attention: tuple[tuple[str, MaskLimits], ...] = ()
+    """Per attention (node name), what it keeps of each sequence, decided for every length the scheme trains
+    (``passes.graph.attention_masks.decide_attention_limits``); empty: each capture's own."""
+
+    @property
+    def attention_limits(self) -> dict[str, MaskLimits] | None:
+        """:attr:`attention` as the packed pass's option (None when not decided)."""
+        return dict(self.attention) if self.attention else None
 
     def describe(self) -> str:
         """E.g. ``(tp2,pp2)/stage1/tp-rank0: 14 parameters, in [...], out [...]``."""
@@ -101,8 +110,10 @@ class Lowered:
 
 def _context(scheme: ParallelScheme, tp_rank: int, tp_group: str | None, kernel: str,
              tensor_parallel: TensorParallelPlan | None, pipeline: PipelinePlan | None, cp_rank: int = 0,
-             cp_group: str | None = None) -> PassContext:
+             cp_group: str | None = None, attention: Mapping[str, MaskLimits] | None = None) -> PassContext:
     options: dict = {"rewrite_packed_attention_pass.kernel": kernel}
+    if attention is not None:
+        options["rewrite_packed_attention_pass.limits"] = dict(attention)
     if scheme.cp > 1:
         options.update({"rewrite_context_parallel_pass.group": cp_group, "rewrite_context_parallel_pass.rank": cp_rank})
     if tensor_parallel is not None:
@@ -118,16 +129,19 @@ def _replicated(gm: fx.GraphModule) -> tuple[ParamSlice, ...]:
 
 def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0, tp_group: str | None = None,
                 attention_kernel: str = "auto", tensor_parallel: TensorParallelPlan | None = None,
-                pipeline: PipelinePlan | None = None, cp_rank: int = 0, cp_group: str | None = None) -> Lowered:
+                pipeline: PipelinePlan | None = None, cp_rank: int = 0, cp_group: str | None = None,
+                attention: Mapping[str, MaskLimits] | None = None) -> Lowered:
     """Apply the lowering passes to a copy of ``captured`` with decided plans (:func:`decide_lowerings`):
-    canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention, context
-    parallel (cp > 1: attention over ``cp_group``, this rank ``cp_rank``), the pipeline cut (``pipeline``,
-    required when pp > 1). Nothing is decided here."""
+    canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention (each
+    attention's decided limits, ``attention``; None: the capture's own), context parallel (cp > 1: attention
+    over ``cp_group``, this rank ``cp_rank``), the pipeline cut (``pipeline``, required when pp > 1). Nothing is
+    decided here."""
     if (scheme.tp > 1) != (tensor_parallel is not None) or (scheme.pp > 1) != (pipeline is not None):
         raise ValueError(f"lowering {scheme.describe()} needs a tensor-parallel plan exactly when tp > 1 and a "
                          f"pipeline cut exactly when pp > 1; got {type(tensor_parallel).__name__}, "
                          f"{type(pipeline).__name__}")
-    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, pipeline, cp_rank, cp_group)
+    ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, pipeline, cp_rank, cp_group,
+                   attention)
     gm, records = run_passes(copy_graph_module(captured), LOWERING_PASSES, ctx)
     params = tensor_parallel.params if tensor_parallel is not None else _replicated(captured)
     return Lowered(graph_module=gm, params=params, records=records)
@@ -136,14 +150,16 @@ def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: in
 def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0,
                      tp_group: str | None = None, attention_kernel: str = "auto", vocab_parallel: bool = False,
                      cost_tokens: int | None = None, pieces: int = 1, cp_rank: int = 0,
-                     cp_group: str | None = None) -> tuple[Lowering, ...]:
+                     cp_group: str | None = None,
+                     attention: Mapping[str, MaskLimits] | None = None) -> tuple[Lowering, ...]:
     """One :class:`Lowering` per pipeline stage of ``scheme`` for TP rank ``tp_rank``, decided on ``analysed``
     (any capture of the model): the tensor-parallel plan on its canonical form, the pipeline cut on its
     tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
     micro-batch the scheme runs; None: the capture's own tokens). ``vocab_parallel``: split the token
     embedding and LM head by vocabulary rows when tp > 1. ``pieces``: cut each stage into this many pieces of
     about equal cost (at most one per costed node) for overlapped movement. ``cp_rank`` / ``cp_group``: this
-    rank's place in its context-parallel group (cp > 1); the pipeline cut is decided on the CP graph."""
+    rank's place in its context-parallel group (cp > 1); the pipeline cut is decided on the CP graph.
+    ``attention``: every attention's limits, decided for the run (None: each capture's own)."""
     gm, _ = run_passes(copy_graph_module(analysed), CANONICAL_PASSES, PassContext())
     tensor_parallel = None
     if scheme.tp > 1:
@@ -152,16 +168,19 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
         tensor_parallel = decide_tensor_parallel(gm, scheme.tp, tp_rank, vocab_parallel=vocab_parallel)
     pipeline = None
     if scheme.pp > 1:  # the cut is decided on the rewritten graph; without one, lower_graph below rewrites it
-        ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group)
+        ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group,
+                       attention)
         gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass,
                                 rewrite_context_parallel_pass], ctx)
         pipeline = decide_pipeline_split(gm, scheme.pp, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
     lowered = lower_graph(analysed, scheme, tp_rank=tp_rank, tp_group=tp_group, attention_kernel=attention_kernel,
-                          tensor_parallel=tensor_parallel, pipeline=pipeline, cp_rank=cp_rank, cp_group=cp_group)
+                          tensor_parallel=tensor_parallel, pipeline=pipeline, cp_rank=cp_rank, cp_group=cp_group,
+                          attention=attention)
     out = []
     for s in range(scheme.pp):
         lowering = dataclasses.replace(_stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline),
-                                       cp_rank=cp_rank, cp_group=cp_group)
+                                       cp_rank=cp_rank, cp_group=cp_group,
+                                       attention=tuple(sorted((attention or {}).items())))
         stage_gm = _stage_module(lowered.graph_module, pipeline, s)
         count = min(pieces, costed_nodes(stage_gm))
         if count > 1:
@@ -204,7 +223,8 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
                          f"{None if ids_val is None else tuple(ids_val.shape)}")
     lowered = lower_graph(captured, lowering.scheme, tp_rank=lowering.tp_rank, tp_group=tp_group,
                           attention_kernel=attention_kernel, tensor_parallel=lowering.tensor_parallel,
-                          pipeline=lowering.pipeline, cp_rank=lowering.cp_rank, cp_group=lowering.cp_group)
+                          pipeline=lowering.pipeline, cp_rank=lowering.cp_rank, cp_group=lowering.cp_group,
+                          attention=lowering.attention_limits)
     stage_gm = _stage_module(lowered.graph_module, lowering.pipeline, lowering.stage)
     counter = CompileCounter(compile_backend)
 
@@ -266,6 +286,28 @@ class LoweringCache:
         self._lowerings: dict[tuple, tuple[Lowering, ...]] = {}
         self._variants: dict[tuple, Variant] = {}
         self._programs: dict[tuple, StageVariants] = {}
+        self._limits: dict[tuple[int, int], dict[str, MaskLimits]] = {}
+
+    def top_bucket(self, scheme: ParallelScheme) -> int:
+        """The largest bucket a rank of ``scheme`` runs: its longest micro-batch's share (the smallest bucket
+        when no cost is known)."""
+        if self.cost_tokens is None:
+            return self.buckets.sizes[0]
+        share = -(-self.cost_tokens(scheme) // scheme.cp)
+        return self.buckets.bucket_for(share) if share <= self.buckets.sizes[-1] else self.buckets.sizes[-1]
+
+    def longest_sequence(self, scheme: ParallelScheme) -> int:
+        """The longest sequence ``scheme`` trains: its longest micro-batch (its top bucket when unknown)."""
+        return self.cost_tokens(scheme) if self.cost_tokens is not None else self.top_bucket(scheme)
+
+    def attention_limits(self, scheme: ParallelScheme) -> dict[str, MaskLimits]:
+        """Every attention's limits for the buckets and sequence lengths ``scheme`` trains, decided once per
+        (top bucket, longest sequence) on the canonical captures of every bucket up to the top."""
+        key = (self.top_bucket(scheme), self.longest_sequence(scheme))
+        if key not in self._limits:
+            captures = [canonical_graph(self.capture(b)) for b in self.buckets.sizes if b <= key[0]]
+            self._limits[key] = decide_attention_limits(captures, key[1])
+        return self._limits[key]
 
     def lowering(self, scheme: ParallelScheme, stage: int, tp_rank: int = 0, tp_group: str | None = None,
                  cp_rank: int = 0, cp_group: str | None = None) -> Lowering:
@@ -277,7 +319,7 @@ class LoweringCache:
                 self.capture(self.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=tp_group,
                 attention_kernel=self.kernel, vocab_parallel=self.vocab_parallel,
                 cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None, pieces=self.pieces,
-                cp_rank=cp_rank, cp_group=cp_group)
+                cp_rank=cp_rank, cp_group=cp_group, attention=self.attention_limits(scheme))
         return self._lowerings[key][stage]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int = 0,

@@ -98,12 +98,18 @@ class LoweringReport:
         return f"{where}: {'; '.join(parts)} (tolerance {self.tolerance:.0e})"
 
 
-def probe_lengths(bucket: int, cp: int = 1) -> tuple[int, ...]:
-    """Two uneven sequences filling most of ``bucket`` tokens (the rest is the runtime's padding); with ``cp``
-    ranks sharing them, the first ``cp`` times as long (split over the ranks; the second goes whole to one)."""
-    first = max(1, (5 * bucket * cp) // 8)
-    second = max(1, bucket // 4) if bucket - first >= 2 else 0
-    return (first, second) if second else (first,)
+def probe_lengths(bucket: int, cp: int = 1, *, longest: int | None = None, limit: int = 0) -> tuple[int, ...]:
+    """The probe's sequences for a micro-batch of ``bucket`` tokens per rank on ``cp`` ranks: one long sequence
+    filling most of it (three quarters of ``bucket * cp``, split over the CP ranks), longer than ``limit`` (the
+    longest window or chunk of the model) where the scheme trains such sequences, never longer than ``longest``
+    (the longest sequence the scheme trains; default ``bucket * cp``), then up to two short ones in what is left
+    (they go whole to one CP rank); the rest is the runtime's padding."""
+    room = bucket * cp
+    longest = room if longest is None else max(1, min(longest, room))
+    first = min(max(1, (3 * room) // 4, limit + 2), longest)
+    rest = room - first
+    shorts = [n for n in (rest // 2, rest // 5) if n >= 1] if rest >= 2 else []
+    return (first, *shorts)
 
 
 def probe_values(shape: Sequence[int], name: str, seed: int = 0) -> torch.Tensor:
@@ -186,13 +192,16 @@ def _owner(root: nn.Module, name: str) -> nn.Module:
 def check_lowering(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int, tp_group: str | None,
                    lower: Callable[[fx.GraphModule], Lowered], reference: Reference,
                    buffer: Callable[[str, torch.Tensor], torch.Tensor], vocab: int, device: torch.device,
-                   dtype: torch.dtype, seed: int = 0, cp_rank: int = 0, cp_group: str | None = None) -> LoweringReport:
+                   dtype: torch.dtype, seed: int = 0, cp_rank: int = 0, cp_group: str | None = None,
+                   lens: Sequence[int] | None = None) -> LoweringReport:
     """Run ``lower`` (a graph -> ``passes.graph.lowering.Lowered``) on a copy of ``captured`` (input (1, bucket))
-    holding probe values, on a probe of packed sequences, against ``reference`` on each sequence alone; every
-    rank of the TP group (and of the CP group, ``cp_group``, when cp > 1) calls it together. Raises what
-    building the lowering raises."""
+    holding probe values, on a probe of packed sequences (``lens``; default :func:`probe_lengths` of the
+    bucket), against ``reference`` on each sequence alone; every rank of the TP group (and of the CP group,
+    ``cp_group``, when cp > 1) calls it together. Raises what building the lowering raises."""
     bucket = int(next(n for n in captured.graph.nodes if n.op == "placeholder").meta["val"].shape[-1])
-    lens = probe_lengths(bucket, scheme.cp)
+    lens = tuple(lens) if lens is not None else probe_lengths(bucket, scheme.cp)
+    if sum(lens) > bucket * scheme.cp:
+        raise ValueError(f"a probe of {list(lens)} tokens does not fit {scheme.cp} x {bucket} tokens")
     values = {name: probe_values(p.shape, name, seed).to(device=device, dtype=dtype)
               for name, p in captured.named_parameters()}
     lowered = lower(captured)

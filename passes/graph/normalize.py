@@ -3,10 +3,8 @@ understand.
 
 Owns four passes, run before tensor parallelism:
 
-- ``fold_eager_attention_pass``: attention written out (``softmax(q @ k.transpose(-2, -1) * scale + mask)
-  @ v``, optionally with Gemma 2's score cap ``c * tanh(s / c)`` before the mask, optionally a dropout of 0)
-  becomes one SDPA call (``codegen.reference.softcapped_attention`` when capped), which the packed-attention
-  pass knows;
+- ``fold_eager_attention_pass`` (``passes.graph.eager_attention``): attention written out becomes one SDPA-form
+  call, which the packed-attention pass knows;
 - ``fold_transposed_matmul_pass``: a linear written as a matmul with a transposed parameter (``x @ w.T``,
   ``torch.matmul(x, w.t())``, ``x.matmul(w.transpose(0, 1))``), plus a bias parameter added right after, becomes
   ``F.linear(x, w, b)``;
@@ -32,12 +30,11 @@ import operator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
-from codegen.reference import softcapped_attention
 from passes.graph.analyze import SDPA_TARGETS
-from passes.graph.pass_runner import PassContext, PassResult, copy_graph_module, run_passes
+from passes.graph.eager_attention import fold_eager_attention_pass
+from passes.graph.pass_runner import PassContext, PassResult, copy_graph_module, folded_result, run_passes
 
 __all__ = ["CANONICAL_PASSES", "canonical_graph", "fold_repeat_kv_pass", "fold_transposed_matmul_pass",
            "fold_fused_slices_pass", "fold_eager_attention_pass", "unrepeated_kv"]
@@ -85,11 +82,7 @@ def fold_repeat_kv_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         node.args = (node.args[0], k, v, *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
         folded += 1
-    if not folded:
-        return PassResult(graph_module=gm, modified=False)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
+    return folded_result(gm, folded)
 
 
 _MATMUL_FUNCTIONS = (operator.matmul, torch.matmul)
@@ -162,11 +155,7 @@ def fold_transposed_matmul_pass(gm: fx.GraphModule, ctx: PassContext) -> PassRes
             linear.meta["val"] = last.meta.get("val")
         last.replace_all_uses_with(linear)
         folded += 1
-    if not folded:
-        return PassResult(graph_module=gm, modified=False)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
+    return folded_result(gm, folded)
 
 
 def _last_dim_slice(node: fx.Node, source: fx.Node) -> tuple[int, int] | None:
@@ -240,101 +229,6 @@ def fold_fused_slices_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not folded:
         return PassResult(graph_module=gm, modified=False)
     gm.graph.lint()
-    gm.recompile()
-    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
-
-
-_SOFTMAX = (F.softmax, torch.softmax)
-_SCALE_OPS = {operator.mul, operator.truediv, torch.mul, torch.div}
-
-
-def _is_call(node: Any, functions: tuple = (), methods: tuple = ()) -> bool:
-    return isinstance(node, fx.Node) and ((node.op == "call_function" and node.target in functions)
-                                          or (node.op == "call_method" and node.target in methods))
-
-
-def _scalar_operand(node: fx.Node) -> tuple[fx.Node, float, bool] | None:
-    """(tensor, number, divides) when ``node`` multiplies or divides a tensor by a Python number."""
-    if not _is_call(node, tuple(_SCALE_OPS), ("mul", "div")) or len(node.args) != 2:
-        return None
-    a, b = node.args
-    divides = node.target in (operator.truediv, torch.div, "div")
-    if isinstance(a, fx.Node) and isinstance(b, (int, float)):
-        return a, float(b), divides
-    if isinstance(b, fx.Node) and isinstance(a, (int, float)) and not divides:
-        return b, float(a), False
-    return None
-
-
-def _scores_source(scores: fx.Node) -> tuple[fx.Node, fx.Node, float, float, fx.Node | None] | None:
-    """Walk back from the softmax input: (q, k, scale, softcap, mask) when it is ``q @ k^T`` times a
-    scale, optionally capped, plus an optional additive mask; else None."""
-    mask = None
-    if _is_call(scores, (operator.add, torch.add), ("add",)) and len(scores.args) == 2:
-        scores, mask = scores.args
-    softcap = 0.0
-    capped = _scalar_operand(scores)  # softcap * tanh(s / softcap)
-    if capped and not capped[2] and _is_call(capped[0], (torch.tanh,), ("tanh",)):
-        inner = _scalar_operand(capped[0].args[0])
-        if inner and inner[2] and inner[1] == capped[1]:
-            softcap, scores = capped[1], inner[0]
-    scale = 1.0
-    scaled = _scalar_operand(scores)
-    if scaled:
-        scores, scale = scaled[0], (1.0 / scaled[1] if scaled[2] else scaled[1])
-    if not _is_call(scores, (torch.matmul, operator.matmul), ("matmul",)) or len(scores.args) != 2:
-        return None
-    q, kt = scores.args
-    if not _is_call(kt, (torch.transpose,), ("transpose",)) or \
-            sorted(d % 4 for d in kt.args[1:3]) != [2, 3] or q.meta["val"].dim() != 4:
-        return None
-    return q, kt.args[0], scale, softcap, mask
-
-
-def _probs_consumer(softmax: fx.Node) -> tuple[fx.Node, float] | None:
-    """(``probs @ v``, dropout p) after a softmax, through a dtype cast and a dropout."""
-    node, dropout = softmax, 0.0
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        if _is_call(user, (), ("to", "type_as", "float")):
-            node = user
-        elif _is_call(user, (F.dropout,)):
-            dropout = user.kwargs.get("p", user.args[1] if len(user.args) > 1 else 0.5)
-            training = user.kwargs.get("training", user.args[2] if len(user.args) > 2 else True)
-            dropout, node = (dropout if training else 0.0), user
-        elif _is_call(user, (torch.matmul, operator.matmul), ("matmul",)) and user.args[0] is node:
-            return user, dropout
-        else:
-            return None
-    return None
-
-
-def fold_eager_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """``softmax(q @ k^T * scale [capped] [+ mask]) [dropout] @ v`` -> one SDPA-form attention call."""
-    folded = 0
-    for node in list(gm.graph.nodes):
-        if not _is_call(node, _SOFTMAX, ("softmax",)):
-            continue
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        source = _scores_source(node.args[0])
-        consumer = _probs_consumer(node)
-        if dim not in (-1, 3) or source is None or consumer is None:
-            continue
-        q, k, scale, softcap, mask = source
-        out, dropout = consumer
-        v = out.args[1]
-        kwargs = {"attn_mask": mask, "dropout_p": float(dropout), "is_causal": False, "scale": scale}
-        target = F.scaled_dot_product_attention
-        if softcap:
-            target, kwargs = softcapped_attention, {**kwargs, "softcap": softcap}
-        with gm.graph.inserting_before(out):
-            attention = gm.graph.call_function(target, (q, k, v), kwargs)
-        attention.meta.update(out.meta)
-        out.replace_all_uses_with(attention)
-        folded += 1
-    if not folded:
-        return PassResult(graph_module=gm, modified=False)
-    gm.graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(graph_module=gm, modified=True, info={"folded": folded})
 

@@ -2,10 +2,11 @@
 
 Owns ``rewrite_packed_attention_pass``. On a graph captured with input (1, T):
 
-- every causal ``scaled_dot_product_attention(q, k, v)`` (or ``codegen.reference.softcapped_attention``, whose
-  score cap the op takes) with q (1, H, T, D) becomes
-  ``codegen.packed_attention(q', k', v', cu_seqlens, max_seqlen)`` with q' (T, H, D), so no token attends
-  across a sequence boundary (grouped-query attention passes through: the op takes fewer kv heads);
+- every causal ``scaled_dot_product_attention(q, k, v)`` (or ``codegen.reference.extended_attention``, whose
+  score cap and sinks the op takes) with q (1, H, T, D) becomes
+  ``codegen.packed_attention(q', k', v', cu_seqlens, max_seqlen, window=..., chunk=...)`` with q' (T, H, D), so
+  no token attends across a sequence boundary (grouped-query attention passes through: the op takes fewer kv
+  heads);
 - every position construction ``torch.arange(T)`` becomes :func:`packed_positions` (each token's index
   inside its own sequence), so learned absolute positions and RoPE both restart at every sequence; an
   ``arange`` used only to index (a mask builder's query and key indices) stays; positions counted as
@@ -13,191 +14,69 @@ Owns ``rewrite_packed_attention_pass``. On a graph captured with input (1, T):
 - ``cu_seqlens`` (int32, n+1) and ``max_seqlen`` become new graph inputs, after the user's inputs.
 
 An attention mask is accepted when the graph builds it from positions alone (as Hugging Face models do:
-causal, within the sequences that positions restarting at 0 delimit, perhaps inside a sliding window) and,
-evaluated on a probe of several packed sequences, it is exactly causal within each sequence: it is then
-dropped. Any other mask, dropout, a batch other than 1 or positions sliced from a table (``cos_cached[:T]``)
-is an error that names the node and its module; a graph with no attention at all is an error too. A graph
-already packed is returned unchanged. Option ``packed_attention.kernel`` picks the op's kernel (default
-"auto").
+causal, within the sequences that positions restarting at 0 delimit, perhaps inside a sliding window or
+chunks) and it is exactly causal within a left window and chunks in each sequence
+(``passes.graph.attention_masks.classify_mask``): it is then dropped and the op takes the window and chunk.
+Option ``limits`` (node name -> ``MaskLimits``, what ``decide_attention_limits`` decided for the whole run)
+gives each attention its limits, which this capture's mask must agree with; without it each capture's own are
+used. Any other mask, dropout, a batch other than 1 or positions sliced from a table (``cos_cached[:T]``) is
+an error that names the node and its module; a graph with no attention at all is an error too. A graph
+already packed is returned unchanged. Option ``kernel`` picks the op's kernel (default "auto").
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import fx
 
 import codegen
 from passes.graph.analyze import SDPA_TARGETS
+from passes.graph.attention_masks import (
+    MaskLimits,
+    classify_mask,
+    find_position_aranges,
+    index_aranges,
+    packed_positions,
+    sdpa_arg,
+    where,
+)
+from passes.graph.eager_attention import unrecognised_softmaxes
 from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
 
 __all__ = ["rewrite_packed_attention_pass", "packed_positions", "find_position_aranges"]
-
-
-def packed_positions(cu_seqlens: torch.Tensor, total: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """(total,) index of every token inside its own sequence; ``cu_seqlens[-1]`` must equal ``total``."""
-    offsets = cu_seqlens.to(torch.long)
-    token = torch.arange(total, device=cu_seqlens.device)  # (T,)
-    seq = torch.searchsorted(offsets[1:], token, right=True)  # (T,) sequence of each token
-    return (token - offsets[seq]).to(dtype)
-
-
-def _where(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    module = list(stack.values())[-1][0] if stack else "<top>"
-    return f"node {node.name!r} (module {module!r})"
 
 
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _sdpa_arg(node: fx.Node, name: str, default: Any = None) -> Any:
-    position = {"attn_mask": 3, "dropout_p": 4, "is_causal": 5, "scale": 6}[name]
-    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
-
-
-def _check_sdpa(gm: fx.GraphModule, node: fx.Node, total: int) -> None:
-    mask = _sdpa_arg(node, "attn_mask")
-    if _sdpa_arg(node, "dropout_p", 0.0) not in (0, 0.0):
-        raise PassError(f"packed attention: {_where(node)} uses attention dropout {_sdpa_arg(node, 'dropout_p')!r}; "
+def _check_sdpa(node: fx.Node) -> None:
+    if sdpa_arg(node, "dropout_p", 0.0) not in (0, 0.0):
+        raise PassError(f"packed attention: {where(node)} uses attention dropout {sdpa_arg(node, 'dropout_p')!r}; "
                         "not supported (set the model's attention dropout to 0)")
-    if mask is not None:
-        _check_position_mask(gm, node, mask, total)
-    elif _sdpa_arg(node, "is_causal") is not True:
-        raise PassError(f"packed attention: {_where(node)} is not causal; only causal attention is supported")
     q = _val(node.args[0])
     if q is None or q.dim() != 4 or q.shape[0] != 1:
         shape = None if q is None else tuple(q.shape)
-        raise PassError(f"packed attention: {_where(node)} has q of shape {shape}; expected (1, heads, tokens, dim)")
+        raise PassError(f"packed attention: {where(node)} has q of shape {shape}; expected (1, heads, tokens, dim)")
 
 
-def _probe_offsets(total: int) -> list[int]:
-    """Boundaries of a few uneven sequences filling ``total`` tokens (one sequence when total < 4)."""
-    cuts = sorted({max(1, total // 3), max(1, total // 3 + total // 4), max(1, total - total // 6)} - {total})
-    return [0, *[c for c in cuts if 0 < c < total], total]
-
-
-def _check_position_mask(gm: fx.GraphModule, node: fx.Node, mask: Any, total: int) -> None:
-    """A mask built from positions alone that is causal within each sequence on a probe, or an error."""
-    if not isinstance(mask, fx.Node):
-        raise PassError(f"packed attention: {_where(node)} passes a constant attention mask; only causal masks "
-                        "built from positions are supported")
-    offsets = _probe_offsets(total)
-    try:
-        value = _evaluate_from_positions(gm, mask, total, offsets)
-    except PassError as exc:
-        raise PassError(f"packed attention: {_where(node)} passes an attention mask that is not built from "
-                        f"positions alone ({exc}); only causal masks are supported") from None
-    seq = torch.searchsorted(torch.tensor(offsets[1:]), torch.arange(total), right=True)
-    causal = (seq[:, None] == seq[None, :]) & (torch.arange(total)[None, :] <= torch.arange(total)[:, None])
-    attend = value if value.dtype == torch.bool else value == 0
-    attend = attend.reshape(-1, total, total)
-    if not bool((attend == causal).all()):
-        raise PassError(f"packed attention: {_where(node)} passes an attention mask that is not causal within "
-                        f"each packed sequence (a sliding window shorter than {total} tokens, or another mask); "
-                        "not supported")
-
-
-def _evaluate_from_positions(gm: fx.GraphModule, target: fx.Node, total: int, offsets: list[int]) -> torch.Tensor:
-    """``target`` computed on the CPU for a packed batch with boundaries ``offsets``: position aranges give
-    each token's index in its sequence, index aranges stay plain; a graph input on the way is an error."""
-    cu = torch.tensor(offsets, dtype=torch.int32)
-    index = set(_index_aranges(gm, total))
-    positions = set(find_position_aranges(gm, total)) - index
-    env: dict[fx.Node, Any] = {}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    needed, stack = set(), [target]
-    while stack:
-        n = stack.pop()
-        if n not in needed:
-            needed.add(n)
-            if n not in positions:
-                stack.extend(n.all_input_nodes)
-    for n in sorted(needed, key=order.__getitem__):
-        if n.op == "placeholder":
-            raise PassError(f"it reads the graph input {n.name!r}")
-        if n in positions:
-            env[n] = packed_positions(cu, total, dtype=n.kwargs.get("dtype") or torch.long)
-            continue
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-        args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
-        if n.op == "get_attr":
-            value = _fetch_attr(gm, n.target)
-            if value.device.type == "meta":
-                raise PassError(f"it reads {n.target!r}, which holds no values here")
-            env[n] = value.cpu()
-        elif n.op == "call_function":
-            env[n] = n.target(*args, **kwargs)
-        elif n.op == "call_method":
-            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
-        else:
-            raise PassError(f"it calls {n.op} {n.target!r}")
-    return env[target]
-
-
-def _on_cpu(value: Any) -> Any:
-    return torch.device("cpu") if isinstance(value, torch.device) else value
-
-
-def _fetch_attr(gm: fx.GraphModule, name: str) -> torch.Tensor:
-    obj: Any = gm
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _index_aranges(gm: fx.GraphModule, total: int) -> list[fx.Node]:
-    """Aranges of 0..total-1 whose every use, through shape-only ops and scalar shifts, indexes a tensor."""
-    out = []
-    for node in find_position_aranges(gm, total):
-        frontier, ok, seen = list(node.users), True, set()
-        while frontier and ok:
-            user = frontier.pop()
-            if user in seen:
-                continue
-            seen.add(user)
-            if user.op == "call_function" and user.target is operator.getitem:
-                if _mentions(user.args[1], seen | {node}):
-                    continue
-                frontier.extend(user.users)  # a slice of the arange is an arange still
-            elif user.op == "call_function" and user.target in (operator.add, operator.sub) and \
-                    sum(isinstance(a, fx.Node) for a in user.args) == 1:
-                frontier.extend(user.users)
-            elif user.op == "call_method" and user.target in ("unsqueeze", "view", "reshape", "expand"):
-                frontier.extend(user.users)
-            elif user.op == "call_method" and user.target in _METADATA_METHODS:
-                continue  # reads the arange's dtype or device, not its values
-            else:
-                ok = False
-        if ok:
-            out.append(node)
-    return out
-
-
-_METADATA_METHODS = ("new_ones", "new_zeros", "new_full", "new_empty", "size", "dim")
-
-
-def _mentions(index: Any, nodes: set) -> bool:
-    found = []
-    fx.node.map_arg(index, lambda a: found.append(a) or a)
-    return any(a in nodes for a in found)
-
-
-def find_position_aranges(gm: fx.GraphModule, total: int) -> list[fx.Node]:
-    """``torch.arange`` nodes that build positions 0..total-1 (the token axis of a batch-1 graph)."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.arange:
-            continue
-        args = list(node.args)
-        start, end, step = (0, args[0], 1) if len(args) == 1 else (args + [1])[:3]
-        start, step = node.kwargs.get("start", start), node.kwargs.get("step", step)
-        if start == 0 and step == 1 and end == total:
-            found.append(node)
-    return found
+def _limits_of(gm: fx.GraphModule, node: fx.Node, total: int, decided: Mapping[str, MaskLimits] | None
+               ) -> MaskLimits:
+    """The node's limits: decided for the whole run (checked against this capture), else found in this one."""
+    local = classify_mask(gm, node, total)
+    if decided is None:
+        return local
+    if node.name not in decided:
+        raise PassError(f"packed attention: {where(node)} has no decided limits (decided for {sorted(decided)[:4]})")
+    limits = decided[node.name]
+    positions = torch.arange(total)
+    if not bool((local.first_keys(positions) == limits.first_keys(positions)).all()):
+        raise PassError(f"packed attention: {where(node)} keeps {local.describe()} in this capture of {total} "
+                        f"tokens, but {limits.describe()} was decided for the run")
+    return limits
 
 
 def _constant_only(node: fx.Node, cache: dict[fx.Node, bool]) -> bool:
@@ -219,7 +98,7 @@ def _check_no_sliced_positions(gm: fx.GraphModule, total: int) -> None:
             continue
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         if any(isinstance(i, slice) and i.stop == total for i in index) and _constant_only(node.args[0], cache):
-            raise PassError(f"packed attention: {_where(node)} slices a position table to the sequence length "
+            raise PassError(f"packed attention: {where(node)} slices a position table to the sequence length "
                             f"({total}); build positions with torch.arange or take a position_ids argument")
 
 
@@ -251,19 +130,57 @@ def _rewrite_counted_positions(graph: fx.Graph, cu_seqlens: fx.Node, total: int)
     return len(counted)
 
 
+_REDUCTIONS = frozenset({"max", "amax", "min", "amin", "sum", "mean", "prod", "cumsum", "cumprod", "cummax", "cummin",
+                         "logsumexp", "argmax", "argmin", "sort", "argsort", "topk", "median", "std", "var", "norm",
+                         "diff"})
+
+
+def _check_no_position_reductions(graph: fx.Graph, total: int) -> None:
+    """Positions must stay per token: a reduction over the token axis of a value computed from positions alone
+    (Phi-3's longrope takes ``max(position_ids)`` to choose its frequencies) would give every packed sequence the
+    whole micro-batch's value. Refused, naming the node. Values that mix positions with activations (rotary
+    products, everything after them) are not followed: their reductions run over features."""
+    pure: set[fx.Node] = set()
+    constant: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is packed_positions:
+            pure.add(node)
+            continue
+        inputs = node.all_input_nodes
+        if not inputs or not any(a in pure for a in inputs) or \
+                not all(a in pure or _constant_only(a, constant) for a in inputs):
+            continue
+        pure.add(node)
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        source = _val(node.args[0]) if node.args else None
+        if name not in _REDUCTIONS or source is None or total not in tuple(source.shape):
+            continue
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 and not isinstance(node.args[1], fx.Node)
+                               else None)
+        dims = range(source.dim()) if dims is None else (dims if isinstance(dims, (tuple, list)) else (dims,))
+        if any(isinstance(d, int) and source.shape[d % source.dim()] == total for d in dims):
+            raise PassError(f"packed attention: {where(node)} takes the {name} of positions over the micro-batch's "
+                            f"{total} tokens: packed, every sequence would get the whole micro-batch's value "
+                            "(longrope and dynamic RoPE choose their frequencies from the largest position this "
+                            "way); not supported: use a static rope scaling, or none")
+
+
 def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return graph.call_method("transpose", (graph.call_method("squeeze", (x, 0)), 0, 1))  # (1,H,T,D) -> (T,H,D)
 
 
-def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, kernel: str) -> None:
+def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, kernel: str,
+                  limits: MaskLimits) -> None:
     q, k, v = node.args[:3]
-    scale = _sdpa_arg(node, "scale")
-    softcap = node.kwargs.get("softcap") or None  # codegen.reference.softcapped_attention's cap
+    scale = sdpa_arg(node, "scale")
+    softcap = node.kwargs.get("softcap") or None  # codegen.reference.extended_attention's cap
+    sinks = node.kwargs.get("sinks")  # and its sinks
+    extra = {"softcap": softcap, "window": limits.window, "chunk": limits.chunk, "sinks": sinks}
     with graph.inserting_before(node):
         q3, k3, v3 = (_to_packed(graph, x) for x in (q, k, v))
         out = graph.call_function(codegen.packed_attention, (q3, k3, v3, cu_seqlens, max_seqlen),
                                   {"causal": True, "softmax_scale": scale, "kernel": kernel, "validate": False,
-                                   **({"softcap": softcap} if softcap else {})})
+                                   **{key: value for key, value in extra.items() if value is not None}})
         out4 = graph.call_method("unsqueeze", (graph.call_method("transpose", (out, 0, 1)), 0))  # (T,H,D)->(1,H,T,D)
     out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     node.replace_all_uses_with(out4)
@@ -278,13 +195,21 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     if not sdpa:
         if already:
             return PassResult(graph_module=gm, modified=False)
+        softmaxes = unrecognised_softmaxes(gm)
+        if softmaxes:
+            raise PassError(f"packed attention: {type(gm).__name__} has no attention in a form the passes know: "
+                            f"the softmax at {where(softmaxes[0])} is not softmax(q @ k^T * scale [+ mask]) @ v "
+                            "(with a score cap or sinks), nor does the model call F.scaled_dot_product_attention")
         raise PassError(f"packed attention: no scaled_dot_product_attention call found in {type(gm).__name__}; "
                         "the model's attention must call F.scaled_dot_product_attention")
     total = int(_val(sdpa[0].args[0]).shape[2])
+    decided = ctx.option("rewrite_packed_attention_pass.limits")
+    limits = {}
     for node in sdpa:
-        _check_sdpa(gm, node, total)
+        _check_sdpa(node)
+        limits[node] = _limits_of(gm, node, total, decided)
     _check_no_sliced_positions(gm, total)
-    index_aranges = set(_index_aranges(gm, total))
+    indexing = set(index_aranges(gm, total))
     device = _val(sdpa[0].args[0]).device
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
@@ -292,9 +217,10 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     with graph.inserting_after(placeholders[-1]):
         cu_seqlens = graph.placeholder("cu_seqlens", type_expr=torch.Tensor)
     for node in sdpa:
-        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("rewrite_packed_attention_pass.kernel", "auto"))
+        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("rewrite_packed_attention_pass.kernel", "auto"),
+                      limits[node])
     graph.eliminate_dead_code()  # the masks the attention no longer reads
-    aranges = [n for n in find_position_aranges(gm, total) if n not in index_aranges]
+    aranges = [n for n in find_position_aranges(gm, total) if n not in indexing]
     for node in aranges:
         dtype = node.kwargs.get("dtype") or torch.long
         with graph.inserting_before(node):
@@ -303,6 +229,7 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
         graph.erase_node(node)
     counted = _rewrite_counted_positions(graph, cu_seqlens, total)
     graph.eliminate_dead_code()
+    _check_no_position_reductions(graph, total)
     graph.lint()
     gm.recompile()
     inputs = [n.meta.get("val") for n in placeholders]

@@ -23,7 +23,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.plan.ir import ParallelScheme
 
-__all__ = ["PassContext", "PassResult", "PassRecord", "PassError", "GraphPass", "run_passes", "propagate_vals"]
+__all__ = ["PassContext", "PassResult", "PassRecord", "PassError", "GraphPass", "run_passes", "propagate_vals",
+           "folded_result"]
 
 _PASS_NAME = re.compile(r"[a-z]+_[a-z0-9_]+_pass")
 
@@ -92,6 +93,16 @@ class PassRecord:
 
 
 GraphPass = Callable[[fx.GraphModule, PassContext], PassResult]
+
+
+def folded_result(gm: fx.GraphModule, folded: int) -> PassResult:
+    """What a folding pass returns: ``gm`` unchanged when it folded nothing, else cleaned of the nodes the folds
+    left dead and recompiled, ``info={"folded": folded}``."""
+    if not folded:
+        return PassResult(graph_module=gm, modified=False)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return PassResult(graph_module=gm, modified=True, info={"folded": folded})
 
 
 def _pass_name(p: GraphPass) -> str:

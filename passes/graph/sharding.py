@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
@@ -73,11 +74,15 @@ def block_index(frac: Fraction, tp: int, rank: int) -> int:
     return rank * parts // tp
 
 
+_DYNAMO_ROOT = re.compile(r"^L\['[A-Za-z_]+'\](\[\d+\])*\.?")
+"""The prefix dynamo puts before a module path (``L['self'].``, ``L['args'][0].``)."""
+
+
 def where(node: fx.Node) -> str:
     """``node 'x' (module 'h.0.attn')`` for error messages."""
     stack = node.meta.get("nn_module_stack") or {}
-    module = list(stack.values())[-1][0] if stack else "<top>"
-    return f"node {node.name!r} (module {module!r})"
+    module = _DYNAMO_ROOT.sub("", str(list(stack.values())[-1][0])) if stack else ""
+    return f"node {node.name!r} (module {module or '<top>'!r})"
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:

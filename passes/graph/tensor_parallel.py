@@ -390,6 +390,8 @@ def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_para
     replicating them (the logits are gathered, so the graph's output is unchanged)."""
     if tp < 1 or not 0 <= rank < tp:
         raise PassError(f"tensor parallel: need 0 <= rank < tp, got rank={rank!r} tp={tp!r}")
+    if tp > 1:
+        _refuse_experts(gm, tp)
     kv_parts = _kv_parts(gm, tp)
     roles = _decide_roles(gm, LinearRole.VOCAB if vocab_parallel else LinearRole.REPLICATED)
     chunks: dict[str, tuple[_Chunk, ...]] = {}
@@ -635,7 +637,15 @@ class _Rewriter:
         if any(s is None or (s.dim != head_axis and s.frac != 1) for s in specs):
             raise PassError(f"tensor parallel: {where(node)} expects q, k, v split by heads, got {specs}")
         self.specs[node] = specs[0]
-        return self.new(node.op, node.target, node.args, node.kwargs, like=node)
+        new = self.new(node.op, node.target, node.args, node.kwargs, like=node)
+        sinks = node.kwargs.get("sinks")
+        if isinstance(sinks, fx.Node):  # one logit per query head: this rank's heads', gradient summed over the group
+            if self.specs.get(sinks) is not None:
+                raise PassError(f"tensor parallel: {where(node)} takes sinks split as {self.specs[sinks]}; expected "
+                                "them whole (one logit per query head)")
+            self.reduce_replicated_grads(node, new)
+            self.narrow_operand(new, sinks, 0, specs[0].frac)
+        return new
 
 
 def _is_param(gm: fx.GraphModule, name: str) -> bool:
@@ -651,6 +661,21 @@ def _fetch(gm: fx.GraphModule, name: str) -> torch.Tensor:
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+_ROUTING = frozenset({"topk", "histc", "bincount", "one_hot"})
+
+
+def _refuse_experts(gm: fx.GraphModule, tp: int) -> None:
+    """A mixture of experts (a router choosing each token's experts by ``topk``, its experts run by a grouped or
+    indexed matmul) is not split yet: refused by name under tp > 1 rather than split wrong (the router's softmax
+    would normalise over a split dim); tp1 schemes, pipeline stages and context parallelism train it."""
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+        if name in _ROUTING or "grouped_mm" in str(name):
+            raise PassError(f"tensor parallel: {where(node)} routes tokens to experts ({name}): mixture-of-experts "
+                            f"layers are not split over tp={tp} ranks yet; train this model with tp1 schemes "
+                            "(pipeline stages and context parallelism work)")
 
 
 def _refuse_dropout(gm: fx.GraphModule, tp: int) -> None:

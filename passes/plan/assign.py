@@ -19,7 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
-from passes.plan.ir import CostModel, ParallelScheme, PlanError, bucket_padding
+from passes.plan.ir import AttentionShape, CostModel, ParallelScheme, PlanError, bucket_padding
 
 __all__ = ["Kind", "pack_replica", "dispatch", "first_fit", "pack_fewest_bins", "estimate_replica_ms"]
 
@@ -42,11 +42,12 @@ class Kind:
     max_tokens: int
     buckets: tuple[int, ...] = ()
     exchange: float = 0.0
+    shape: AttentionShape = AttentionShape()
 
     @classmethod
     def of(cls, cost_model: CostModel, scheme: ParallelScheme) -> "Kind":
         e = cost_model.cost(scheme)
-        return cls(scheme, e.a, e.b, e.c, e.max_tokens, cost_model.buckets, e.exchange)
+        return cls(scheme, e.a, e.b, e.c, e.max_tokens, cost_model.buckets, e.exchange, e.shape)
 
     @property
     def pp(self) -> int:
@@ -54,14 +55,14 @@ class Kind:
 
     def seq_ms(self, seq_len: int) -> float:
         if self.exchange:
-            return self.b * seq_len + max(self.a * seq_len * seq_len, self.exchange * seq_len)
-        return self.a * seq_len * seq_len + self.b * seq_len
+            return self.b * seq_len + max(self.a * self.shape.quadratic(seq_len), self.exchange * seq_len)
+        return self.a * self.shape.quadratic(seq_len) + self.b * seq_len
 
     def seq_ms_array(self, seq_lens: np.ndarray) -> np.ndarray:
         """:meth:`seq_ms` of every length of a float array."""
         if self.exchange:
-            return self.b * seq_lens + np.maximum(self.a * seq_lens * seq_lens, self.exchange * seq_lens)
-        return self.a * seq_lens * seq_lens + self.b * seq_lens
+            return self.b * seq_lens + np.maximum(self.a * self.shape.quadratic(seq_lens), self.exchange * seq_lens)
+        return self.a * self.shape.quadratic(seq_lens) + self.b * seq_lens
 
     def micro_ms(self, work: float, tokens: int) -> float:
         """A micro-batch of ``tokens`` whose sequences sum to ``work`` ms: plus ``c`` and its bucket padding."""

@@ -87,7 +87,8 @@ class _Table:
         self.fits = seq_lens[None, :] <= self.mt
         a, b = np.array([e.a for e in costs])[:, None], np.array([e.b for e in costs])[:, None]
         x = np.array([e.exchange for e in costs])[:, None]
-        self.work = np.where(x > 0, b * s + np.maximum(a * s * s, x * s), a * s * s + b * s)
+        quad = np.stack([e.shape.quadratic(s) for e in costs]) if costs else np.zeros((0, s.size))
+        self.work = np.where(x > 0, b * s + np.maximum(a * quad, x * s), a * quad + b * s)
         """Per-stage work of each sequence: ``SchemeCost.seq_ms``."""
         self.additive = self.work + self.c * s / self.mt
         """Per-stage time a sequence adds to its replica (its share of the per-micro-batch cost included)."""

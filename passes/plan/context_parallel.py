@@ -75,7 +75,7 @@ def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: S
     exchange = layers * per_token / (gbps * 1e6)
     startups = layers * _EXCHANGE_PASSES * (cp - 1) * links.latency_us * 1e-3
     return SchemeCost(scheme=scheme, a=base.a / cp, b=base.b / cp + exchange, c=base.c + startups,
-                      max_tokens=max_tokens_for(profile, scheme, layout, runtime))
+                      max_tokens=max_tokens_for(profile, scheme, layout, runtime), shape=base.shape)
 
 
 def _no_cp_caps(cost_model: CostModel, gpus: int) -> list[int]:

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "ParallelScheme",
@@ -170,6 +170,59 @@ def bucket_padding(buckets: Sequence[int], tokens: int) -> int:
     return buckets[i] - tokens if i < len(buckets) else 0
 
 
+def _relu(x: Any) -> Any:
+    """max(x, 0) for a number or a numpy array alike."""
+    return (x + abs(x)) / 2
+
+
+def _least(x: Any, y: Any) -> Any:
+    """min(x, y) for numbers or numpy arrays alike."""
+    return (x + y - abs(x - y)) / 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionShape:
+    """How a sequence's attention work grows with its length s: ``s^2`` for causal attention, less for the share
+    of it whose keys a window or chunks limit (the kernels skip the key blocks outside them)."""
+
+    limited: tuple[tuple[float, int | None, int | None], ...] = ()
+    """(share of the attention work, window, chunk) for each kind of limited attention layer; the shares add
+    up to at most 1 and the rest of the work is plain causal."""
+
+    def __post_init__(self) -> None:
+        for share, window, chunk in self.limited:
+            if not (isinstance(share, (int, float)) and 0 < share <= 1):
+                raise PlanError(f"an attention share must be in (0, 1], got {share!r}")
+            if (window is None and chunk is None) or (window is not None and window < 0) or \
+                    (chunk is not None and chunk < 1):
+                raise PlanError(f"a limited share needs a window >= 0 or a chunk >= 1, got {window!r}, {chunk!r}")
+        if sum(share for share, _, _ in self.limited) > 1 + 1e-9:
+            raise PlanError(f"attention shares add up to more than 1: {self.limited!r}")
+
+    def quadratic(self, s: Any) -> Any:
+        """The attention work of a sequence of length ``s`` (a number or a numpy array) in units of ``s^2`` for
+        causal attention (its s(s + 1) / 2 pairs): ``2 pairs - s`` of the pairs a limit keeps, so a window W
+        keeps ``s^2 - max(s - W - 1, 0) max(s - W, 0)``, chunks of C keep ``n C^2 + (s - n C)^2`` with
+        ``n = s // C`` (both: the smaller)."""
+        square = s * s
+        total = square
+        for share, window, chunk in self.limited:
+            kept = square
+            if window is not None:
+                kept = square - _relu(s - (window + 1)) * _relu(s - window)
+            if chunk is not None:
+                n = s // chunk
+                kept = _least(kept, n * chunk * chunk + (s - n * chunk) ** 2)
+            total = total - share * (square - kept)
+        return total
+
+    def describe(self) -> str:
+        """``causal`` or e.g. ``causal; 0.5 window 4095``."""
+        parts = [f"{share:.3g} {'window ' + str(w) if w is not None else ''}{' ' if w is not None and c else ''}"
+                 f"{'chunks of ' + str(c) if c is not None else ''}" for share, w, c in self.limited]
+        return "; ".join(["causal", *parts])
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchemeCost:
     """Cost coefficients of one scheme: ``T(s) = a*s^2 + b*s + c`` ms per micro-batch per pipeline stage."""
@@ -187,6 +240,8 @@ class SchemeCost:
     exchange: float = 0.0
     """Context parallelism's K/V exchange, ms per token of a sequence per stage: it runs beside the sequence's
     attention (``a s^2``), so a sequence costs ``b s + max(a s^2, exchange s)``; 0 without CP."""
+    shape: AttentionShape = field(default_factory=AttentionShape)
+    """How the attention term grows with a sequence's length (``s^2`` unless windows or chunks limit it)."""
 
     def __post_init__(self) -> None:
         for name in ("a", "b", "c", "exchange"):
@@ -199,9 +254,9 @@ class SchemeCost:
             raise PlanError(f"max_tokens of {self.scheme.describe()} must be an integer >= 0, got {self.max_tokens!r}")
 
     def seq_ms(self, seq_len: int | float) -> float:
-        """Time one sequence adds to a micro-batch on one stage (without the fixed ``c``): ``a s^2 + b s``, the
-        attention term replaced by the CP exchange where that is longer."""
-        return self.b * seq_len + max(self.a * seq_len * seq_len, self.exchange * seq_len)
+        """Time one sequence adds to a micro-batch on one stage (without the fixed ``c``): ``a s^2 + b s`` (``s^2``
+        as :attr:`shape` counts it), the attention term replaced by the CP exchange where that is longer."""
+        return self.b * seq_len + max(self.a * self.shape.quadratic(seq_len), self.exchange * seq_len)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -252,6 +307,12 @@ class CostModel:
     def max_tokens(self, scheme: ParallelScheme) -> int:
         """Most tokens one micro-batch of ``scheme`` may hold (also its longest sequence)."""
         return self.cost(scheme).max_tokens
+
+    def limited(self, shape: AttentionShape) -> "CostModel":
+        """This model with every scheme's attention term shaped by ``shape`` (windows, chunks)."""
+        from dataclasses import replace
+
+        return replace(self, entries=tuple(replace(e, shape=shape) for e in self.entries))
 
     def longest_supported(self) -> int:
         """The longest sequence any known scheme can hold."""
