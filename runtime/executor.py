@@ -33,7 +33,7 @@ from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
 from runtime.stage_params import StageParams
 from runtime.topology import Cluster, check_placement
 
-__all__ = ["StageProgram", "Executor", "NonFiniteError", "pack_micro_batch", "setting_problem"]
+__all__ = ["StageProgram", "Executor", "NonFiniteError", "NON_FINITE_POLICIES", "pack_micro_batch", "setting_problem"]
 
 NON_FINITE_POLICIES = ("raise", "skip")
 """What a step whose loss or gradient norm is not finite does: a ``NonFiniteError``, or no optimiser step."""
