@@ -112,6 +112,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                  layer_types=["chunked_attention", "full_attention"],
                                                  no_rope_layers=[1, 0], attention_dropout=0.0)),
     "granite_swa": ("GraniteSWAForCausalLM", dict(_LLAMA_LIKE, sliding_window=WINDOW, layer_types=_TWO_KINDS)),
+    "granitemoe_swa": ("GraniteMoeSWAForCausalLM", dict(_LLAMA_LIKE, sliding_window=WINDOW, layer_types=_TWO_KINDS,
+                                                        **_MOE)),
     "gpt_oss": ("GptOssForCausalLM", dict(_LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, layer_types=_TWO_KINDS,
                                           **_MOE)),
     # mixtures of experts
@@ -127,7 +129,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                attention_dropout=0.0, alibi=True)),
 }
 SMOKE_FAMILIES = ("llama", "qwen3", "gpt2")
-MIXTURES_OF_EXPERTS = ("gpt_oss", "mixtral", "qwen2_moe", "olmoe")
+MIXTURES_OF_EXPERTS = ("gpt_oss", "granitemoe_swa", "mixtral", "qwen2_moe", "olmoe")
 
 
 @dataclass(frozen=True, slots=True)
