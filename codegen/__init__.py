@@ -15,6 +15,7 @@ packed_attention_backward``.  Either compile with dynamic shapes or pass ``bucke
 from codegen.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from codegen.op import (
     bucket_max_seqlen,
+    host_length,
     packed_attention,
     packed_attention_backward_op,
     packed_attention_op,
@@ -28,6 +29,7 @@ __all__ = [
     "bucket_max_seqlen",
     "cpu_flash_backward",
     "cpu_flash_forward",
+    "host_length",
     "KernelSpec",
     "TRITON_HEAD_DIMS",
     "interpreting",

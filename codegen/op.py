@@ -43,25 +43,48 @@ def packed_attention_op(
     window: int = -1,
     chunk: int = 0,
     sinks: torch.Tensor | None = None,
+    seqlen_grid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward on one kernel ("triton", "cpu-flash" or "reference"); returns (out, lse).
     PyTorch's CPU flash kernel has no score cap: with ``softcap`` the CPU runs the reference. ``softcap`` is None
     when there is no cap (not 0.0: a float constant would make dynamo restart its analysis to tensorify it).
     ``cu_seqlens_k`` / ``max_seqlen_k`` (None: the queries'): the keys' own spans, causal aligned bottom right.
     ``window`` (-1: none), ``chunk`` (0: none), ``sinks`` (heads_q,): limited attention and sink logits
-    (``codegen.reference``); ``lse`` then includes the sinks."""
+    (``codegen.reference``); ``lse`` then includes the sinks. ``seqlen_grid``: a 0-d host tensor holding this
+    call's longest span (at most ``max_seqlen``), read on the host to size the Triton grid; a tensor, so that a
+    compiled graph takes a new value without recompiling."""
     softcap = softcap or 0.0
     check_layout(q, k, v, cu_seqlens, max_seqlen, kernel, separate_keys=cu_seqlens_k is not None)
     limits = _limits(window, chunk, sinks)
     if kernel == "triton":  # the offsets are not read back: on a GPU that would synchronise every call
         return triton_forward(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
-                              softcap=softcap, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **limits)
+                              softcap=softcap, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **limits,
+                              grid_seqlen=grid_length(seqlen_grid, max_seqlen))
     offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
     if kernel == "cpu-flash" and not softcap:
         return cpu_flash_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, offsets_k=offsets_k,
                                  **limits)
     return reference_forward(q, k, v, offsets, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                              offsets_k=offsets_k, **limits)
+
+
+def host_length(value: int) -> torch.Tensor:
+    """A length as a 0-d int64 tensor that lives on the host (``max_seqlen`` for a compiled graph): reading it
+    never waits on a device; it is marked ``_host_only`` so that checks counting host reads of device values
+    leave it out."""
+    length = torch.tensor(int(value), dtype=torch.int64)
+    length._host_only = True  # type: ignore[attr-defined]
+    return length
+
+
+def grid_length(seqlen_grid: torch.Tensor | None, max_seqlen: int) -> int | None:
+    """The value of a host ``seqlen_grid`` (None when not given), checked: 0 <= value <= ``max_seqlen``."""
+    if seqlen_grid is None:
+        return None
+    value = int(seqlen_grid)  # a host tensor: no device synchronisation
+    if not 0 <= value <= max_seqlen:
+        raise ValueError(f"seqlen_grid={value} must be in [0, max_seqlen={max_seqlen}]")
+    return value
 
 
 def _limits(window: int, chunk: int, sinks: torch.Tensor | None) -> dict[str, Any]:
@@ -81,7 +104,7 @@ def _host_offsets(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, ma
 
 @packed_attention_op.register_fake
 def _packed_attention_fake(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel,
-                           cu_seqlens_k=None, max_seqlen_k=None, window=-1, chunk=0, sinks=None):
+                           cu_seqlens_k=None, max_seqlen_k=None, window=-1, chunk=0, sinks=None, seqlen_grid=None):
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
@@ -106,6 +129,7 @@ def packed_attention_backward_op(
     window: int = -1,
     chunk: int = 0,
     sinks: torch.Tensor | None = None,
+    seqlen_grid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed attention for (q, k, v, sinks), recomputed from the saved output and log-sum-exp (the
     sinks' gradient is an empty tensor when there are none: a custom op returns tensors).
@@ -117,7 +141,8 @@ def packed_attention_backward_op(
     softcap = softcap or 0.0
     if kernel == "triton":
         grads = triton_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, softcap=softcap,
-                                cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **kwargs)
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, **kwargs,
+                                grid_seqlen=grid_length(seqlen_grid, max_seqlen))
     else:
         offsets, offsets_k = _host_offsets(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, causal)
         if kernel == "cpu-flash" and not softcap:
@@ -132,16 +157,16 @@ def packed_attention_backward_op(
 @packed_attention_backward_op.register_fake
 def _packed_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, softmax_scale,
                                     softcap, kernel, cu_seqlens_k=None, max_seqlen_k=None, window=-1, chunk=0,
-                                    sinks=None):
+                                    sinks=None, seqlen_grid=None):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     (q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, softcap, kernel, cu_seqlens_k, max_seqlen_k, window,
-     chunk, sinks) = inputs
+     chunk, sinks, seqlen_grid) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, sinks, seqlen_grid)
     ctx.window, ctx.chunk = window, chunk
     ctx.max_seqlen = max_seqlen
     ctx.max_seqlen_k = max_seqlen_k
@@ -153,13 +178,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
     # lse is an internal output that packed_attention never returns, so grad_lse is None or zeros.
-    q, k, v, out, lse, cu_seqlens, cu_seqlens_k, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, cu_seqlens_k, sinks, seqlen_grid = ctx.saved_tensors
     grad_q, grad_k, grad_v, grad_sinks = packed_attention_backward_op(
         grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.softmax_scale, ctx.softcap,
-        ctx.kernel, cu_seqlens_k, ctx.max_seqlen_k, ctx.window, ctx.chunk, sinks,
+        ctx.kernel, cu_seqlens_k, ctx.max_seqlen_k, ctx.window, ctx.chunk, sinks, seqlen_grid,
     )
     return (grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, None, None,
-            None if sinks is None else grad_sinks)
+            None if sinks is None else grad_sinks, None)
 
 
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -186,7 +211,7 @@ def packed_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    max_seqlen: int,
+    max_seqlen: int | torch.Tensor,
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
@@ -225,7 +250,17 @@ def packed_attention(
     ``attention_chunk_size``); with key spans, positions count from each key span's start. ``sinks``
     (heads_q,): a learned logit per query head that joins every row's softmax denominator without a value
     (GPT-OSS); its gradient is returned like q's.
+
+    ``max_seqlen`` may be a 0-d int tensor on the host (what the runtime passes to a compiled graph, so that a
+    new value compiles nothing): the call's longest span, which sizes the Triton grid (programs of rows past it
+    would exit at once); the bound the kernels are specialised and autotuned on is then q's token count.
     """
+    grid = None
+    if isinstance(max_seqlen, torch.Tensor):
+        if max_seqlen.dim() != 0 or max_seqlen.device.type != "cpu" or max_seqlen.dtype.is_floating_point:
+            raise ValueError(f"a tensor max_seqlen must be a 0-d integer tensor on the host, got "
+                             f"{tuple(max_seqlen.shape)} {max_seqlen.dtype} on {max_seqlen.device}")
+        grid, max_seqlen = max_seqlen, int(q.shape[0])
     check_kernel(kernel)
     if (cu_seqlens_k is None) != (max_seqlen_k is None):
         raise ValueError(f"cu_seqlens_k and max_seqlen_k come together; got cu_seqlens_k "
@@ -242,5 +277,5 @@ def packed_attention(
     check_limits(causal, window, chunk)
     check_sinks(sinks, q)
     out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved, cu_seqlens_k,
-                                 max_seqlen_k, -1 if window is None else window, chunk or 0, sinks)
+                                 max_seqlen_k, -1 if window is None else window, chunk or 0, sinks, grid)
     return out

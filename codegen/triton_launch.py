@@ -147,11 +147,12 @@ def triton_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     *, causal: bool, softmax_scale: float, softcap: float = 0.0, cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int | None = None, window: int | None = None, chunk: int | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, grid_seqlen: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward with the generated kernel: ``out`` like q and fp32 ``lse`` (heads_q, tokens).
     ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' own spans (default: the queries'); ``window``, ``chunk``,
-    ``sinks``: limited attention and sink logits (``codegen.reference``)."""
+    ``sinks``: limited attention and sink logits (``codegen.reference``). ``grid_seqlen``: this call's longest
+    span (at most ``max_seqlen``), which sizes the grid; ``max_seqlen`` stays the autotune key."""
     require_triton_runnable(q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.zeros_like(q)
@@ -168,10 +169,19 @@ def triton_forward(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), softmax_scale, softcap, *limits.scalars(),
     )
+    rows, _ = _grid_lengths(max_seqlen, max_k, grid_seqlen, separate_keys=cu_seqlens_k is not None)
     with _device_guard(q.device):
-        _launch("packed_attention_forward_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
+        _launch("packed_attention_forward_kernel", specs, lambda meta: _cdiv(rows, meta["BLOCK_M"]),
                 (cu_seqlens.shape[0] - 1, q.shape[1]), args, max(max_seqlen, max_k), softcap, limits)
     return out, lse
+
+
+def _grid_lengths(max_seqlen: int, max_k: int, grid_seqlen: int | None, separate_keys: bool) -> tuple[int, int]:
+    """(query rows, key rows) the grid covers per span: the call's own longest span when given (the keys' too
+    for self-attention), else the bounds."""
+    if grid_seqlen is None:
+        return max_seqlen, max_k
+    return grid_seqlen, (max_k if separate_keys else grid_seqlen)
 
 
 def _key_spans(cu_seqlens: torch.Tensor, max_seqlen: int, cu_seqlens_k: torch.Tensor | None,
@@ -187,9 +197,10 @@ def triton_backward(
     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
     softcap: float = 0.0, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
     window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
+    grid_seqlen: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients for q, k, v and the sinks (None without): a dq kernel over query blocks, a dk/dv kernel over
-    key blocks, the sinks' gradient from ``lse`` and ``delta`` in torch."""
+    key blocks, the sinks' gradient from ``lse`` and ``delta`` in torch; ``grid_seqlen`` as the forward's."""
     require_triton_runnable(q.device)
     q, k, v, grad_out, lse = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous(), lse.contiguous()
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -210,10 +221,11 @@ def triton_backward(
     dkdv_args = (q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, cu_k, *common,
                  grad_k.stride(0), grad_k.stride(1), grad_v.stride(0), grad_v.stride(1), lse.stride(0), softmax_scale,
                  softcap, *limits.scalars())
+    rows, key_rows = _grid_lengths(max_seqlen, max_k, grid_seqlen, separate_keys=cu_seqlens_k is not None)
     with _device_guard(q.device):
-        _launch("packed_attention_backward_dq_kernel", specs, lambda meta: _cdiv(max_seqlen, meta["BLOCK_M"]),
+        _launch("packed_attention_backward_dq_kernel", specs, lambda meta: _cdiv(rows, meta["BLOCK_M"]),
                 (num_seqs, q.shape[1]), dq_args, longest, softcap, limits)
-        _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(max_k, meta["BLOCK_N"]),
+        _launch("packed_attention_backward_dkdv_kernel", specs, lambda meta: _cdiv(key_rows, meta["BLOCK_N"]),
                 (num_seqs, k.shape[1]), dkdv_args, longest, softcap, limits)
     return grad_q, grad_k, grad_v, grad_sinks
 

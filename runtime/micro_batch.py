@@ -32,7 +32,8 @@ class MicroBatch:
     cu_seqlens: torch.Tensor
     """int32 offsets of the packed spans (the query spans under context parallelism)."""
     max_seqlen: int
-    """A bound on the longest span."""
+    """The longest span (the padding's included under context parallelism), known on the host: it sizes the
+    attention kernels' grid."""
     tokens: int
     """Real tokens this rank computes (padding left out)."""
     targets: torch.Tensor | None = None
@@ -68,8 +69,8 @@ def context_parallel(batch: Sequence[torch.Tensor], indices: Sequence[int], cp: 
     """CP rank ``cp_rank``'s share of sequences ``indices`` spread over ``cp`` ranks, padded to
     ``bucket(widest rank's tokens)`` (the same on every rank of the group, as the all-gather needs)."""
     share = CpShare.build([batch[i] for i in indices], cp, cp_rank, bucket, ignore=IGNORE)
-    width = int(share.ids.shape[0])
     return MicroBatch(ids=share.ids.to(device, non_blocking=True),
-                      cu_seqlens=share.inputs.cu_seqlens_q.to(device, non_blocking=True), max_seqlen=width,
+                      cu_seqlens=share.inputs.cu_seqlens_q.to(device, non_blocking=True),
+                      max_seqlen=share.inputs.max_seqlen_q,
                       tokens=share.tokens, targets=share.next_ids.to(device, non_blocking=True),
                       cp_inputs=share.graph_inputs(device))

@@ -209,3 +209,36 @@ def test_import_without_triton_and_reference_still_works():
     assert result.returncode == 0, result.stderr
     assert "torch.Size([5, 2, 16])" in result.stdout
     assert "needs the triton package" in result.stdout
+
+
+def test_a_host_tensor_max_seqlen_sizes_the_triton_grid_without_recompiling(monkeypatch):
+    """The runtime passes each micro-batch's longest span as a 0-d host tensor: the Triton grid covers just that
+    many rows per span (not the bucket), the result is the same, and a compiled caller takes new values without
+    compiling again."""
+    from codegen import triton_launch
+
+    grids = []
+    launch = triton_launch._launch
+
+    def recording(body, specs, grid_rows, grid_rest, *rest):
+        grids.append((body, grid_rows({"BLOCK_M": 16, "BLOCK_N": 16})))
+        return launch(body, specs, grid_rows, grid_rest, *rest)
+
+    monkeypatch.setattr(triton_launch, "_launch", recording)
+    batch = make_batch([5, 14, 13, 16], heads_q=2, heads_kv=1, head_dim=16)
+    bound = codegen.packed_attention(*batch.inputs()[:4], 48, kernel="triton")
+    assert [rows for _, rows in grids] == [3]  # the bound: cdiv(48, 16) blocks of rows per span
+    grids.clear()
+    tight = codegen.packed_attention(*batch.inputs()[:4], torch.tensor(16), kernel="triton")
+    tight.sum().backward()
+    assert torch.equal(bound, tight)
+    assert [rows for _, rows in grids] == [1, 1, 1]  # forward, dq, dk/dv: cdiv(16, 16)
+    with pytest.raises(ValueError, match="0-d integer tensor on the host"):
+        codegen.packed_attention(*batch.inputs()[:4], torch.tensor([40]), kernel="triton")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, cu, m: codegen.packed_attention(q, k, v, cu, m, kernel="reference"),
+                             backend=counter, fullgraph=True)
+    for longest in (16, 12, 33):
+        compiled(*batch.inputs()[:4], torch.tensor(longest))
+    assert counter.frame_count == 1

@@ -37,7 +37,7 @@ def _count_reads(rank, world, strategy):
 
     def counting(original):
         def read(self, *args, **kwargs):
-            reads[0] += active[0]
+            reads[0] += active[0] and not getattr(self, "_host_only", False)  # a host length (codegen.host_length)
             return original(self, *args, **kwargs)
         return read
 

@@ -413,13 +413,14 @@ class StageVariants:
                  cp_inputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
         """The stage's outputs for one packed micro-batch: the boundary the next stage takes, or ``(logits,)``
         (T, vocab) of the real tokens on the last stage. ``cp_inputs``: under context parallelism, the values of
-        ``passes.graph.context_parallel.CP_INPUTS`` (``input_ids`` then already fills its bucket)."""
+        ``passes.graph.context_parallel.CP_INPUTS`` (``input_ids`` then already fills its bucket). ``max_seqlen``:
+        the micro-batch's longest span (its padding's included), which sizes the attention kernels' grid."""
         total = int(input_ids.shape[0])
         variant = self._variant(self.cache.buckets.bucket_for(total))
         if self.gate is not None and not variant.pieces:
             self.gate(tuple(self.param_slices))
         variant.gate[0] = self.gate
-        outs = variant(input_ids, cu_seqlens, *boundary, cp_inputs=cp_inputs)
+        outs = variant(input_ids, cu_seqlens, *boundary, cp_inputs=cp_inputs, max_seqlen=max_seqlen)
         if self.lowering.stage == self.lowering.scheme.pp - 1:
             return (variant.logits(outs, total),)
         return tuple(outs)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
+import codegen
 from passes.graph.pass_runner import PassRecord
 from passes.graph.tensor_parallel import ParamSlice
 from passes.plan.ir import ParallelScheme
@@ -125,14 +126,21 @@ class Variant:
     """``gate[0]``: called with a piece's parameter names before the piece runs (None: nothing to wait for)."""
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor,
-                 cp_inputs: tuple[torch.Tensor, ...] | None = None) -> tuple:
+                 cp_inputs: tuple[torch.Tensor, ...] | None = None, max_seqlen: int | None = None) -> tuple:
         """Run the stage on a packed micro-batch (padded here to the bucket); returns the stage's outputs.
         ``cp_inputs`` (context parallelism): positions, gathered key rows and key offsets, for a micro-batch
-        that already fills the bucket (its padding is a span whose keys are its own rows)."""
+        that already fills the bucket (its padding is a span whose keys are its own rows). ``max_seqlen``: the
+        micro-batch's longest span (None: the bucket), what sizes the attention kernels' grid; it reaches the
+        graph as a 0-d host tensor, so a new value compiles nothing."""
         ids, cu = pad_to_bucket(input_ids, cu_seqlens, self.key.bucket)
         if self.counter.backend != "eager":  # torch.compile: the sequence count is dynamic
             torch._dynamo.mark_dynamic(cu, 0)
-        given: dict[str, Any] = {"input_ids": ids[None], "cu_seqlens": cu, "max_seqlen": self.key.bucket}
+        longest = self.key.bucket if max_seqlen is None else max(max_seqlen, self.key.bucket - int(input_ids.shape[0]))
+        if not 0 <= longest <= self.key.bucket:
+            raise ValueError(f"variant {self.key.describe()}: max_seqlen={max_seqlen} must be in [0, "
+                             f"{self.key.bucket}]")
+        given: dict[str, Any] = {"input_ids": ids[None], "cu_seqlens": cu,
+                                 "max_seqlen": codegen.host_length(longest)}  # the padding span's length too
         if cp_inputs is not None:
             if int(input_ids.shape[0]) != self.key.bucket:
                 raise ValueError(f"variant {self.key.describe()}: a context-parallel micro-batch must fill the "
