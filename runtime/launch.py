@@ -5,7 +5,8 @@ through torch's elastic launcher (the same environment torchrun gives), so the s
 exits with that rank's own exit code and names the rank and the last line it wrote to stderr. The launcher
 notes which ranks it stopped itself (once one fails it ends the others with SIGTERM), so a rank ended by a
 signal from elsewhere (``kill`` from a shell, a scheduler, the OOM killer) is the one named, never a rank it
-stopped."""
+stopped. Each rank runs the script through ``runtime.rank_entry``, so a rank that exits with its own non-zero
+code keeps that code (its process groups are not torn down under peers still in a collective)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["launch", "LaunchError", "max_local_ranks"]
+__all__ = ["launch", "LaunchError", "max_local_ranks", "EXIT_TIMES_ENV"]
+
+EXIT_TIMES_ENV = "HCOMPILE_LAUNCH_EXIT_TIMES"
+"""The folder where each rank that fails writes when it did (``runtime.rank_entry``), set by :func:`launch`."""
 
 
 class LaunchError(ValueError):
@@ -43,12 +47,13 @@ def launch(nproc: int, script: str, script_args: list[str], max_nproc: int | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    with tempfile.TemporaryDirectory(prefix="hcompile-launch-") as logs, _stopped_by_launcher() as stopped:
+    with tempfile.TemporaryDirectory(prefix="hcompile-launch-") as logs, _stopped_by_launcher() as stopped, \
+            _environ(EXIT_TIMES_ENV, logs):
         try:
             torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "--log-dir", logs,
-                           "--tee", "2", script, *script_args])
+                           "--tee", "2", "-m", "runtime.rank_entry", script, *script_args])
         except ChildFailedError as exc:
-            rank, failure = _first_failure(exc.failures, stopped)
+            rank, failure = _first_failure(exc.failures, stopped, _exit_times(logs))
             code = failure.exitcode if failure.exitcode > 0 else 128 + (-failure.exitcode or 1)
             how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else _signal_name(-failure.exitcode)
             if failure.exitcode < 0 and stopped is not None and failure.pid not in stopped:
@@ -84,15 +89,46 @@ def _stopped_by_launcher() -> Iterator[set[int] | None]:
         SubprocessHandler.close = close
 
 
-def _first_failure(failures: dict[int, Any], stopped: set[int] | None = None) -> tuple[int, Any]:
+def _first_failure(failures: dict[int, Any], stopped: set[int] | None = None,
+                   exit_times: dict[int, float] | None = None) -> tuple[int, Any]:
     """(global rank, failure) of the rank that failed on its own first: the ranks the launcher stopped once one
-    had failed (``stopped``: their pids; without it, those that a SIGTERM ended) come last."""
-    def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
+    had failed (``stopped``: their pids; without it, those that a SIGTERM ended) come last; then by when each
+    failed: the time a rank wrote as it left (``exit_times``, by pid, ``runtime.rank_entry``), else the
+    launcher's whole-second timestamp (a rank whose peer left a moment before it, its collective broken, fails
+    in the same second)."""
+    exit_times = exit_times or {}
+
+    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
         rank, failure = item
         by_launcher = failure.pid in stopped if stopped is not None else failure.exitcode == -signal.SIGTERM
-        return by_launcher, failure.timestamp, rank
+        return by_launcher, exit_times.get(failure.pid, float(failure.timestamp)), rank
 
     return min(failures.items(), key=order)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` while the block runs (the ranks inherit it)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _exit_times(folder: str) -> dict[int, float]:
+    """The times ranks wrote as they failed (``runtime.rank_entry``), by pid."""
+    times = {}
+    for file in Path(folder).glob("exit.*"):
+        try:
+            times[int(file.suffix[1:])] = float(file.read_text())
+        except (OSError, ValueError):
+            continue
+    return times
 
 
 def _signal_name(number: int) -> str:

@@ -75,3 +75,36 @@ def test_launch_errors_exit_2(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "hcompile.cli", "launch", *argv], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_the_rank_that_failed_first_is_named_even_within_one_second():
+    """Two failures in the same whole second: the one whose rank wrote the earlier exit time is named (the peer
+    whose collective it broke fails a moment later); ranks the launcher stopped come last whatever their time."""
+    from types import SimpleNamespace
+
+    from runtime.launch import _first_failure
+
+    def failure(pid, code=1):
+        return SimpleNamespace(pid=pid, exitcode=code, timestamp=1000, local_rank=pid)
+
+    failures = {0: failure(10), 1: failure(11, 3)}
+    assert _first_failure(failures, set(), {10: 1000.7, 11: 1000.2})[0] == 1
+    assert _first_failure(failures, set(), {10: 1000.1, 11: 1000.2})[0] == 0
+    assert _first_failure(failures, {11}, {10: 1000.7, 11: 1000.2})[0] == 0
+
+
+def test_rank_entry_keeps_the_scripts_exit_status_and_message(tmp_path):
+    """``python -m runtime.rank_entry script`` runs the script as ``__main__`` with its own argv and ends with
+    the status it chose: 0, sys.exit(3), sys.exit("message") (1, the message on stderr), an exception (1, its
+    traceback)."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint(__name__, sys.argv[1:])\nmode = sys.argv[1]\n"
+                      "if mode == 'code': sys.exit(3)\nif mode == 'text': sys.exit('stopped here')\n"
+                      "if mode == 'raise': raise RuntimeError('broke')\n")
+    expected = {"ok": (0, ""), "code": (3, ""), "text": (1, "stopped here"), "raise": (1, "RuntimeError: broke")}
+    for mode, (code, err) in expected.items():
+        proc = subprocess.run([sys.executable, "-m", "runtime.rank_entry", str(script), mode], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        assert proc.returncode == code, (mode, proc.stderr)
+        assert proc.stdout.strip() == f"__main__ ['{mode}']"
+        assert (proc.stderr.strip().splitlines() or [""])[-1] == err
