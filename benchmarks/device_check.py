@@ -1,6 +1,6 @@
 """One command for a GPU machine: ``python -m benchmarks.device_check`` checks the GPU path of the whole stack.
 
-Parts (``--parts a,b,c,d``; ``--quick`` runs fewer sizes):
+Parts (``--parts a,b,c,d,e``; ``--quick`` runs fewer sizes):
 
 - (a) packed attention forward and backward in bf16 on the Triton kernel against SDPA run one sequence at a time
   in fp32 (the oracle) on ragged grouped-query and multi-query batches, head dims 64 and 128: the largest error
@@ -14,7 +14,11 @@ Parts (``--parts a,b,c,d``; ``--quick`` runs fewer sizes):
   after the first step, tokens/s and MFU (model FLOPs over the bf16 peak of this GPU's preset,
   ``passes.graph.hardware``, which must exist and match the device's memory);
 - (d) ``hcompile profile`` run on the GPU (a small model) writes a profile measured there that
-  ``hcompile plan --profile`` accepts.
+  ``hcompile plan --profile`` accepts;
+- (e) with two GPUs or more, the runtime on 2 or 4 of them under NCCL (``benchmarks.device_multi``): tp2, a
+  two-stage pipeline with several micro-batches, tp2 replicas beside tp1 ones, each equal to single-process
+  SGD on the same GPU; plain against overlapped movement; each rank's memory peak against the memory model's
+  prediction. With one GPU it says so and passes.
 
 Prints one table (part, check, pass/FAIL, numbers, detail) and one JSON line stamped with the commit, torch and
 triton versions and the device, also appended to ``results/device_check.jsonl``; exits 1 when any check failed.
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.attention import BenchConfig, Row, length_mixes, measure, packed_inputs
+from benchmarks.device_multi import check_multi_gpu
 from benchmarks.device_train import TrainRun, TrainSetup, run_training
 from benchmarks.provenance import commit
 from passes.graph.hardware import hardware_for_device
@@ -55,6 +60,7 @@ PARTS = {
     "b": "packed attention TFLOPS against torch's varlen attention, FlexAttention and padded SDPA",
     "c": "~125M LLaMA training, bf16, inductor, world of one, against fp32 eager",
     "d": "hcompile profile on the GPU, loaded by the planner",
+    "e": "the runtime on every GPU under NCCL (tp2, pp2, movement) against one device",
 }
 ATTENTION_TOLERANCE = {"bf16": 2e-2, "fp32": 1e-4}
 """Largest error over the oracle's largest value, by dtype."""
@@ -398,7 +404,7 @@ def _parts(text: str) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.device_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", type=_parts, default="abcd", help="which parts, e.g. 'a,c' (default a,b,c,d)")
+    parser.add_argument("--parts", type=_parts, default="abcde", help="which parts, e.g. 'a,c' (default all)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes: a minute or two less")
     parser.add_argument("--out", type=Path, default=Path("results/device_check.jsonl"),
                         help="JSON lines file the record is appended to (default results/device_check.jsonl)")
@@ -417,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "b": lambda: check_attention_speed(args.quick),
         "c": lambda: check_training(args.quick, name),
         "d": lambda: check_profile_on_gpu(name),
+        "e": lambda: check_multi_gpu(args.quick),
     }
     checks: list[Check] = []
     part_s: dict[str, float] = {}

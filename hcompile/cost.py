@@ -20,6 +20,7 @@ from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.plan.ir import CostModel, ParallelScheme, StepPlan, Strategy
+from passes.plan.memory import ModelMemory
 from passes.plan.movement import ComputeLayout, compute_scheme, merged
 from runtime.fixed_layout import FixedLayout
 
@@ -36,24 +37,28 @@ CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0,
 
 def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
                        runtime: RuntimeMemory = HCOMPILE_RUNTIME,
-                       device: torch.device | str = "cpu") -> CostModel:
+                       device: torch.device | str = "cpu", memory: ModelMemory | None = None,
+                       memory_bytes: float | None = None, hardware: Hardware | None = None) -> CostModel:
     """Analytic cost model of a captured graph on ``device``'s hardware: the CPU (a 0.2 TFLOP model), or on a GPU
     its preset (``passes.graph.hardware.hardware_for_device``: A100, A800, H100, H200; another GPU is refused,
-    never planned as a CPU). Schemes (tp, pp) with tp dividing the head count (and within a node), pp at most
-    the layer count and tp*pp dividing the world size, each capped by the memory ``runtime`` leaves and at
-    ``tokens_per_rank * tp`` tokens per micro-batch (on the CPU 1024 per rank when None)."""
+    never planned as a CPU); ``hardware`` overrides it. Schemes (tp, pp) with tp dividing the head count (and
+    within a node), pp at most the layer count and tp*pp dividing the world size, each capped by the one memory
+    model (``memory``: the model as ``hcompile.memory.model_memory`` reads it; ``memory_bytes``: what each rank
+    may fill, default the hardware's) beside ``runtime``'s states and at ``tokens_per_rank * tp`` tokens per
+    micro-batch (on the CPU 1024 per rank when None)."""
     analysis = analyze_graph(canonical_graph(captured))
     if not analysis.attention:
         raise ValueError(f"{name} has no attention (no scaled_dot_product_attention call, nor a softmax(q @ k^T) @ v "
                          "written out): hcompile trains Transformer decoders, and plans by their attention")
     device = torch.device(device)
-    hardware = hardware_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else CPU
+    if hardware is None:
+        hardware = hardware_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else CPU
     heads = min((site.heads for site in analysis.attention), default=1)
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)
                and tp <= hardware.gpus_per_node]
     model = analytic_cost_model(analysis, hardware, schemes, name=f"{name}@{hardware.name}", world_size=world_size,
-                                runtime=runtime)
+                                runtime=runtime, memory=memory, memory_bytes=memory_bytes)
     per_rank = (1024 if hardware is CPU else None) if tokens_per_rank is None else tokens_per_rank
     return model if per_rank is None else cap_tokens(model, {e.scheme: per_rank * e.scheme.tp for e in model.entries})
 

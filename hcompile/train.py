@@ -31,7 +31,7 @@ from hcompile.cost import (
     token_ranks,
 )
 from hcompile.export import save_pretrained
-from hcompile.memory import bound_caps, tokens_a_rank_holds
+from hcompile.memory import bound_caps, model_memory, usable_memory
 from hcompile.verify import SELF_CHECK_MAX_TOKENS, prepare_strategy, self_check_cost
 from passes.graph.analyze import token_vocab
 from passes.graph.attention_masks import attention_shape
@@ -40,7 +40,7 @@ from passes.graph.normalize import canonical_graph
 from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import split_dims
 from passes.graph.variant import TokenBuckets
-from passes.plan.cost_model import RuntimeMemory, hcompile_runtime
+from passes.plan.cost_model import hcompile_runtime
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
 from passes.plan.placement import assign_ranks, placed_replicas
@@ -55,6 +55,7 @@ from runtime.executor import NON_FINITE_POLICIES, Executor, setting_problem
 from runtime.fixed_layout import FixedLayout, Init, fill_layout
 from runtime.loss import global_pair_count
 from runtime.measure import StepStats, TakeTurns
+from runtime.overlap import overlap_buffer_bytes
 from runtime.planning import PlanService, plan_timeout_s
 from runtime.redistribute import Traffic
 from runtime.topology import Cluster
@@ -108,6 +109,10 @@ class TrainOptions:
     float32 on the CPU. Master weights and optimiser state are float32 whatever it is."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype gradients travel to their owners in (summed there in float32)."""
+    grad_accum_dtype: torch.dtype = torch.float32
+    """dtype each rank's micro-batches accumulate their gradients in (Megatron's ``main_grad``): float32 whatever
+    ``param_dtype`` is, so many micro-batches add up as exactly as one; ``torch.bfloat16`` saves 2 bytes per
+    parameter of a rank's compute copy at that cost. The memory model counts it."""
     plan_timeout_s: float | None = None
     """How long a step waits for rank 0's plan before every rank raises ``PlanTimeout``; None: env
     ``HCOMPILE_PLAN_TIMEOUT_S`` when the trainer is built, else 120 s."""
@@ -127,9 +132,11 @@ class TrainOptions:
     """Move parameters and gradients window by window of the fixed layout, overlapped with compute
     (``runtime.overlap``): each stage is cut into ``movement_pieces`` pieces (each compiled on its own), a piece
     waits for its parameters' windows just before it runs, and each window of gradients goes to its owners as
-    soon as the step's last backward has finished it. Off by default: its buffers (an owner holds the send
-    buffers of every window's pull and the receive buffers of every window's push at once) are not in the
-    planner's memory model yet."""
+    soon as the step's last backward has finished it. Every window's buffers are held at once (nothing waits
+    inside the compute), and the memory model charges them as a bound: the shard served to every rank both ways
+    and the whole model's gradients in the reduction dtype (``runtime.overlap.overlap_buffer_bytes``), so on
+    large models overlap lowers the caps.
+    Off by default (issue 37 makes it the default once the planner models what it hides)."""
     movement_pieces: int = 4
     """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
     non_finite: str = "raise"
@@ -138,15 +145,24 @@ class TrainOptions:
     loss scalers do; counted in ``StepStats.non_finite_skips``). Non-finite optimiser settings (an ``lr`` a
     scheduler set to NaN) and non-finite master weights are a ``NonFiniteError`` either way."""
 
+    warmup_timeout_s: float | None = None
+    """The collective timeout during warm-up (``Trainer.warm_up``: the lowering self-check and the dry-run steps
+    that compile every variant inside collectives, where a rank still compiling, e.g. a 32B stage under
+    inductor, keeps the others waiting); None: env ``HCOMPILE_WARMUP_TIMEOUT_S`` when the trainer is built,
+    else 3600 s. Outside warm-up the job's timeout applies (``HCOMPILE_TIMEOUT_S``, 300 s)."""
+
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "grad_accum_dtype"):
             value = getattr(self, name)
             if value is not None and value not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {value!r}")
-        timeout = self.plan_timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise ValueError(f"plan_timeout_s must be a positive number of seconds or None, got {timeout!r}")
+        if self.grad_accum_dtype is None:
+            raise ValueError("grad_accum_dtype must be torch.float32 or torch.bfloat16, got None")
+        for name in ("plan_timeout_s", "warmup_timeout_s"):
+            timeout = getattr(self, name)
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not timeout > 0):
+                raise ValueError(f"{name} must be a positive number of seconds or None, got {timeout!r}")
         if isinstance(self.movement_pieces, bool) or not isinstance(self.movement_pieces, int) \
                 or self.movement_pieces < 1:
             raise ValueError(f"movement_pieces must be a positive integer, got {self.movement_pieces!r}")
@@ -203,6 +219,8 @@ class Trainer:
         self.ctx = _context()
         self.plan_timeout_s = options.plan_timeout_s or plan_timeout_s()
         """How long a step waits for its plan (read when the trainer is built)."""
+        self.warmup_timeout_s = options.warmup_timeout_s or comm.warmup_timeout_s()
+        """The collective timeout while warming up (read when the trainer is built)."""
         self.buckets = options.buckets or compiled.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
         """The token buckets micro-batches are padded to (the compiled model's are left alone)."""
         self.param_dtype = options.param_dtype or (torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32)
@@ -216,18 +234,27 @@ class Trainer:
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, param_dtype=self.param_dtype,
                                  reduce_dtype=options.reduce_dtype, overlap=options.overlap_movement,
                                  hooks=[TakeTurns()] if options.replicas_take_turns else [],
-                                 non_finite=options.non_finite)
+                                 non_finite=options.non_finite, grad_dtype=options.grad_accum_dtype)
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
-                                  chunk_numel=self.executor.chunk_numel)
+                                  chunk_numel=self.executor.chunk_numel, grad_bytes=_bytes(options.grad_accum_dtype))
+        if options.overlap_movement:  # every window's buffers at once (runtime.overlap.overlap_buffer_bytes)
+            memory = dataclasses.replace(memory, buffer_bytes=memory.buffer_bytes + overlap_buffer_bytes(
+                self.layout.shard_numel, self.layout.numel, self.ctx.world_size, _bytes(self.param_dtype),
+                _bytes(options.reduce_dtype)))
         if cost_model is not None:
             refuse_context_parallel_model(cost_model)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        usable = usable_memory(self.ctx.device, local)  # collective: the smallest rank's
+        held = model_memory(analysed, ANALYSIS_TOKENS)
         model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,
-                                                 options.tokens_per_rank, memory, self.ctx.device)
+                                                 options.tokens_per_rank, memory, self.ctx.device, memory=held,
+                                                 memory_bytes=usable)
         model = add_listed_cp_schemes(model, options.strategies)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)
                                        for e in model.entries})
-        model = bound_caps(model, self._holds(analysed, memory), options.tokens_per_rank)  # before any capture there
+        model = bound_caps(model, held, memory, usable, self.ctx.world_size,  # before any capture there
+                           options.tokens_per_rank)
         check_strategies(options.strategies, model, analysed, self.ctx.world_size)
         capturable = self._largest_capturable(max(e.max_tokens // e.scheme.cp for e in model.entries))
         self.cost_model = dataclasses.replace(
@@ -282,12 +309,6 @@ class Trainer:
 
     def _captured(self, tokens: int):
         return self.compiled.captured(tokens, *self._compute_copies()).graph_module
-
-    def _holds(self, analysed, memory: RuntimeMemory) -> tuple[int, float, int]:
-        """How many tokens a rank of this job holds (the smallest over the ranks; collective)."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
-        return tokens_a_rank_holds(analysed, ANALYSIS_TOKENS, self.ctx.device, local, self.layout.numel,
-                                   self.ctx.world_size, memory)
 
     def _largest_capturable(self, up_to: int) -> int:
         """The largest bucket (up to the first >= ``up_to``) the model can be captured at: capture runs the
@@ -356,7 +377,13 @@ class Trainer:
         cannot be lowered or computes anything else is the same ``LoweringError`` on every rank); then for each
         token bucket up to its replicas' caps, a dry-run step (forward and backward, parameters untouched)
         with one micro-batch of that bucket on every replica that can hold it (collective; a context-parallel
-        replica gets a sequence cp times as long, so that each of its ranks runs that bucket)."""
+        replica gets a sequence cp times as long, so that each of its ranks runs that bucket). Compiling
+        happens inside those collective steps, so they run under ``warmup_timeout_s``, not the job's timeout
+        (``runtime.distributed.collective_timeout``)."""
+        with comm.collective_timeout(self.warmup_timeout_s):
+            self._warm_up(strategies)
+
+    def _warm_up(self, strategies: Sequence[Strategy]) -> None:
         for strategy in strategies:
             if strategy in self._warm:
                 continue
@@ -574,7 +601,8 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def _context() -> DistContext:
+    """This rank's place: the job's as made (by the user: under NCCL its device is then checked and set,
+    ``runtime.distributed.joined_context``), or a new one (``init_distributed``)."""
     if comm.is_initialized():
-        return DistContext(rank=comm.rank(), world_size=comm.world_size(), dist_backend=comm.backend(),
-                           device=comm.group_device())
+        return comm.joined_context()
     return init_distributed()

@@ -8,27 +8,34 @@ whole; the sub-groups a strategy needs (``GroupCache``: its tensor-parallel grou
 order on every rank); and every collective and point-to-point call the runtime makes. Tensors are moved to
 where their group works (``group_device``) before a call, so no caller hands a host tensor to NCCL: metadata
 the callers build on the host (digests, counts, flags) is placed here. Objects (strings, plans) travel as
-pickles over the CPU side of the group.
+pickles over the CPU side of the group. Point-to-point messages between two ranks are posted in the same order on
+both (NCCL runs one communicator's operations in issue order and a send completes only once its receive is
+posted): callers post each set of messages that belongs together as one batch (:func:`exchange`, :func:`post`).
+Warm-up compiles inside collectives, so it runs under its own, longer timeout (:func:`collective_timeout`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from passes.graph.collectives import is_nccl, uses_nccl
 from passes.plan.ir import ReplicaPlan
 
 __all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S", "ProcessGroup", "Work",
            "is_initialized", "world_size", "rank", "backend", "group_device", "all_gather_object",
            "broadcast_object", "agree_errors", "all_reduce", "all_gather", "all_gather_into", "barrier", "send",
-           "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown"]
+           "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown",
+           "is_nccl", "uses_nccl", "cuda_device_for", "joined_context", "collective_timeout", "timeout_of",
+           "DEFAULT_WARMUP_TIMEOUT_S", "warmup_timeout_s"]
 
 ProcessGroup = dist.ProcessGroup
 """A process group (what ``GroupCache.get`` returns; None stands for a group of one rank)."""
@@ -36,6 +43,10 @@ Work = dist.Work
 """A pending point-to-point operation; ``wait()`` it."""
 
 DEFAULT_TIMEOUT_S = 300.0
+"""Seconds after which a collective or point-to-point call fails (env ``HCOMPILE_TIMEOUT_S``)."""
+DEFAULT_WARMUP_TIMEOUT_S = 3600.0
+"""The collective timeout during a trainer's warm-up, which compiles inside collectives (env
+``HCOMPILE_WARMUP_TIMEOUT_S``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,14 +67,18 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
                      timeout_s: float | None = None, dist_backend: str | None = None) -> DistContext:
     """Join the job (reading ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from torchrun when not given); a process
     started without a launcher (no ``WORLD_SIZE``, no ``MASTER_ADDR``) is a world of one. Collectives time out
-    after ``timeout_s`` (env ``HCOMPILE_TIMEOUT_S``), so a dead rank ends the job."""
+    after ``timeout_s`` (env ``HCOMPILE_TIMEOUT_S``), so a dead rank ends the job. Under NCCL the rank computes on
+    ``cuda:LOCAL_RANK`` (:func:`cuda_device_for`), set as the current device before the group is made, and the
+    default group's communicator is set up at once by all ranks (batched point-to-point calls that only some
+    ranks make must not be its first use)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     timeout_s = float(os.environ.get("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
     if dist_backend is None:
         dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if dist_backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        local = cuda_device_for(rank, world_size, os.environ.get("LOCAL_RANK"), torch.cuda.device_count(),
+                                torch.cuda.current_device(), launched=False)
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
@@ -71,6 +86,7 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
     if not dist.is_initialized():
         atexit.register(_destroy_at_exit)
         timeout = datetime.timedelta(seconds=timeout_s)
+        _timeouts["job"] = timeout_s
         # on GPUs the default group has both sides: device tensors over NCCL, host metadata and objects over gloo
         backends = "cpu:gloo,cuda:nccl" if dist_backend == "nccl" else dist_backend
         if world_size == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
@@ -79,7 +95,67 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
         else:
             dist.init_process_group(backend=backends, init_method=init_method or "env://", rank=rank,
                                     world_size=world_size, timeout=timeout)
+            if dist_backend == "nccl":
+                _set_up(None)
     return DistContext(rank=rank, world_size=world_size, dist_backend=dist_backend, device=device)
+
+
+def cuda_device_for(rank: int, world_size: int, local_rank: str | None, count: int, current: int, *,
+                    launched: bool) -> int:
+    """The CUDA device index a rank computes on. ``local_rank``: env ``LOCAL_RANK`` (torchrun sets it) or None;
+    ``count``: the devices this process sees; ``current``: ``torch.cuda.current_device()`` (0 unless the process
+    set another); ``launched``: the user made the process group (and may have set the device), else this module
+    makes it. One visible device is that device (a launcher that gives each rank its own
+    ``CUDA_VISIBLE_DEVICES``); otherwise ``LOCAL_RANK``; without it, the device the user set, or ``rank % count``
+    when this module makes the group. What would put a rank on another rank's device is a ValueError naming
+    the values: a ``LOCAL_RANK`` past the visible devices, a device set by the user that is not ``LOCAL_RANK``,
+    or a user's group without ``LOCAL_RANK`` whose rank is not the first of its node still on ``cuda:0``."""
+    if count < 1:
+        raise ValueError(f"rank {rank}: NCCL needs a CUDA device, and this process sees none")
+    if count == 1:
+        return 0
+    if local_rank is not None:
+        try:
+            local = int(local_rank)
+        except ValueError:
+            raise ValueError(f"rank {rank}: LOCAL_RANK must be an integer, got {local_rank!r}") from None
+        if not 0 <= local < count:
+            raise ValueError(f"rank {rank}: LOCAL_RANK={local} but this process sees {count} CUDA devices "
+                             f"(0..{count - 1})")
+        if current not in (0, local):
+            raise ValueError(f"rank {rank}: the current CUDA device is cuda:{current} but LOCAL_RANK={local}; call "
+                             f"torch.cuda.set_device({local}) (or leave it unset) so that each rank of a node "
+                             f"computes on its own device")
+        return local
+    if current != 0 or world_size == 1:
+        return current
+    if not launched:
+        return rank % count
+    if rank % count:
+        raise ValueError(f"rank {rank} of {world_size}: the process group was made without "
+                         f"torch.cuda.set_device and LOCAL_RANK is not set, so this rank would compute on cuda:0 "
+                         f"beside another rank; call torch.cuda.set_device(<local rank>) before "
+                         f"init_process_group, or launch with torchrun")
+    return 0
+
+
+def joined_context() -> DistContext:
+    """This process's place in a job whose default process group is already made (by the user, or by
+    :func:`init_distributed`). Under NCCL the rank's device is chosen by :func:`cuda_device_for` and made
+    current (a user who called ``init_process_group("nccl")`` without ``torch.cuda.set_device`` would otherwise
+    have every rank of a node on ``cuda:0``)."""
+    rank_, world = rank(), world_size()
+    if not uses_nccl():
+        return DistContext(rank=rank_, world_size=world, dist_backend=backend(), device=torch.device("cpu"))
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    if bound is not None and bound.index is not None:
+        local = bound.index  # init_process_group(device_id=...) named it
+    else:
+        local = cuda_device_for(rank_, world, os.environ.get("LOCAL_RANK"), torch.cuda.device_count(),
+                                torch.cuda.current_device(), launched=True)
+    if torch.cuda.current_device() != local:
+        torch.cuda.set_device(local)
+    return DistContext(rank=rank_, world_size=world, dist_backend="nccl", device=torch.device("cuda", local))
 
 
 def _destroy_at_exit() -> None:
@@ -91,7 +167,7 @@ def _destroy_at_exit() -> None:
     destruction can wait on peers that are still in a collective)."""
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl" and getattr(sys, "last_value", None) is not None:
+    if uses_nccl() and getattr(sys, "last_value", None) is not None:
         return
     dist.destroy_process_group()
 
@@ -125,7 +201,7 @@ class GroupCache:
     def _make(self, ranks: tuple[int, ...]) -> None:
         key = tuple(sorted(ranks))
         if key not in self._groups:
-            self._groups[key] = dist.new_group(list(key)) if len(key) > 1 else None
+            self._groups[key] = _new_group(list(key)) if len(key) > 1 else None
 
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """The group of ``ranks`` (None for a single rank: nothing to communicate)."""
@@ -154,14 +230,14 @@ def rank() -> int:
 
 
 def backend() -> str:
-    """``nccl`` (GPUs) or ``gloo``."""
+    """``nccl`` (GPUs: device tensors over NCCL, whatever carries host tensors) or the default group's backend."""
     name = dist.get_backend()
-    return "nccl" if "nccl" in name else name
+    return "nccl" if is_nccl(name) else name
 
 
 def group_device(group: ProcessGroup | None = None) -> torch.device:
     """Where tensors of ``group`` (None: the default group) must be: the current GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and "nccl" in dist.get_backend(group):
+    if dist.is_initialized() and uses_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -302,20 +378,128 @@ def movement_group() -> ProcessGroup | None:
     """A group of every rank for parameter and gradient movement alone (None in a world of one), made on first
     use (collective: every rank calls it at the same point): movement posted ahead of compute never interleaves
     with pipeline or tensor-parallel messages between the same two ranks (under NCCL it is a communicator of its
-    own, set up here by a barrier of all its ranks, since a rank may post nothing in a window)."""
+    own, set up here by all its ranks at once, since a rank may post nothing in a window)."""
     if world_size() == 1:
         return None
     key = id(dist.group.WORLD)
     if key not in _movement:
         _movement.clear()
-        group = dist.new_group(list(range(world_size())))
-        dist.barrier(group=group)
+        group = _new_group(list(range(world_size())))
+        _set_up(group)
         _movement[key] = group
     return _movement[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Groups and their timeouts
+
+_timeouts: dict[str, float] = {}
+"""``job``: the collective timeout this module made the job with; ``now``: the one in force inside
+:func:`collective_timeout` (groups made there get it too)."""
+_made: dict[int, list[ProcessGroup]] = {}
+"""The sub-groups this module made, by the id of the default group they were made in."""
+
+
+def _new_group(ranks: list[int]) -> ProcessGroup:
+    """A sub-group of ``ranks`` with the timeout in force (``dist.new_group`` would give torch's default, 10 or
+    30 minutes, not the job's), remembered so that :func:`collective_timeout` reaches it."""
+    seconds = _timeouts.get("now", _job_timeout_s())
+    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=seconds))
+    if rank() in ranks:  # elsewhere new_group gives a placeholder that no call may name
+        _made.setdefault(id(dist.group.WORLD), []).append(group)
+    return group
+
+
+def _set_up(group: ProcessGroup | None) -> None:
+    """Set up ``group`` by all its ranks at once. Under NCCL: a zero summed on the device, which makes its
+    communicator (its first use must involve every rank: a batched point-to-point call of some ranks would
+    hang); a barrier on gloo."""
+    if uses_nccl(group):
+        dist.all_reduce(torch.zeros(1, device=group_device(group)), group=group)
+    else:
+        dist.barrier(group=group)
+
+
+def _job_timeout_s() -> float:
+    """The job's collective timeout: the one this module made the job with, else the default group's."""
+    if "job" in _timeouts:
+        return _timeouts["job"]
+    try:
+        return timeout_of(None)
+    except (AttributeError, RuntimeError):  # a backend that does not show its options
+        return float(os.environ.get("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def _groups_of_job() -> list[ProcessGroup]:
+    return [dist.group.WORLD, *_made.get(id(dist.group.WORLD), [])]
+
+
+def timeout_of(group: ProcessGroup | None = None) -> float:
+    """Seconds after which a collective or point-to-point call on ``group`` (None: the default group) times out,
+    as its backend holds it (the device side's under NCCL)."""
+    group = dist.group.WORLD if group is None else group
+    device = torch.device("cuda" if uses_nccl(group) else "cpu")
+    return group._get_backend(device).options._timeout.total_seconds()
+
+
+def _set_timeout(group: ProcessGroup, seconds: float) -> None:
+    timeout = datetime.timedelta(seconds=seconds)
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
+    else:  # pragma: no cover - torch releases without the helper
+        group.set_timeout(timeout)
+
+
+def warmup_timeout_s() -> float:
+    """``HCOMPILE_WARMUP_TIMEOUT_S`` (seconds), else :data:`DEFAULT_WARMUP_TIMEOUT_S`; a value that is not a
+    positive number of seconds is a ValueError naming it."""
+    text = os.environ.get("HCOMPILE_WARMUP_TIMEOUT_S")
+    if text is None:
+        return DEFAULT_WARMUP_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"HCOMPILE_WARMUP_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float) -> Iterator[None]:
+    """Inside the block, every collective and point-to-point call of the job (the default group, the sub-groups
+    this module made, those made inside the block) times out after ``seconds``; afterwards each group has its
+    timeout from before again (a group made inside, the job's). For work whose ranks legitimately wait on each
+    other for long, such as warm-up: each rank compiles its variants inside collective dry-run steps (a 32B
+    variant under inductor takes minutes), and the ranks that compile less wait for the others in their next
+    collective. Each rank calls it around the same work; it changes local state only."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"a collective timeout must be a positive number of seconds, got {seconds!r}")
+    if not dist.is_initialized() or world_size() == 1:
+        yield
+        return
+    job = _job_timeout_s()
+    before = {id(g): timeout_of(g) for g in _groups_of_job()}
+    outer = _timeouts.get("now")
+    _timeouts["now"] = float(seconds)
+    for group in _groups_of_job():
+        _set_timeout(group, seconds)
+    try:
+        yield
+    finally:
+        if outer is None:
+            _timeouts.pop("now", None)
+        else:
+            _timeouts["now"] = outer
+        for group in _groups_of_job():
+            _set_timeout(group, before.get(id(group), job if outer is None else outer))
 
 
 def shutdown() -> None:
     """Leave the job: destroy every process group (before the interpreter finalizes)."""
     _movement.clear()
+    _made.clear()
+    _timeouts.pop("now", None)
     if dist.is_initialized():
         dist.destroy_process_group()

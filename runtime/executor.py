@@ -2,9 +2,10 @@
 
 Every rank pulls the parameter slices its stage program computes with from the fixed layout's owners
 (``runtime.redistribute``) into the program's compute copy (``runtime.stage_params``), runs its replica's
-micro-batches (tensor parallel inside the program; a 1F1B pipeline over point-to-point sends when pp > 1,
-no headers: shapes come from the receiving program) with the loss divided by the global pair count, pushes
-the gradient slices back to their owners and steps the optimiser on its shard. The compute copy exists only
+micro-batches (tensor parallel inside the program; a 1F1B pipeline when pp > 1, ``runtime.pipeline``, its
+point-to-point messages paired per gap as NCCL needs them, no headers: shapes come from the receiving program)
+with the loss divided by the global pair count, pushes the gradient slices back to their owners and steps the
+optimiser on its shard. The compute copy exists only
 during the step. Where each replica runs is the plan's (``ReplicaPlan.ranks``); what the step measured comes
 from the phase hooks (``runtime.measure``), which the executor calls and does not implement.
 """
@@ -20,7 +21,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from passes.graph.tensor_parallel import ParamSlice
-from passes.plan.ir import ParallelScheme, Place, ReplicaPlan, StepPlan, Strategy
+from passes.plan.ir import ParallelScheme, ReplicaPlan, StepPlan, Strategy
 from runtime import distributed as comm
 from runtime import micro_batch
 from runtime.cpu_clock import RankCpuClock
@@ -29,6 +30,7 @@ from runtime.fixed_layout import FixedLayout
 from runtime.loss import global_pair_count
 from runtime.measure import PhaseHook, StepMeter, StepState, StepStats
 from runtime.overlap import DEFAULT_WINDOWS, PullInFlight, PushInFlight, WindowedMovement, layout_windows
+from runtime.pipeline import Pipeline
 from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
 from runtime.stage_params import StageParams
 from runtime.topology import Cluster, check_placement
@@ -101,13 +103,15 @@ class Executor:
     def __init__(self, ctx: DistContext, cluster: Cluster, layout: FixedLayout, optimizer: torch.optim.Optimizer, *,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, hooks: Sequence[PhaseHook] = (), overlap: bool = False,
-                 windows: int = DEFAULT_WINDOWS, non_finite: str = "raise"):
+                 windows: int = DEFAULT_WINDOWS, non_finite: str = "raise", grad_dtype: torch.dtype = torch.float32):
         """``overlap``: move parameters and gradients window by window (``runtime.overlap``), the pull of later
         layers travelling while the forward computes earlier ones and the push of later layers' gradients while
         the backward computes earlier ones, in ``windows`` windows of the fixed layout; otherwise all of the pull
         before the compute and all of the push after it (``runtime.redistribute``), in rounds of pairs.
         ``non_finite``: ``"raise"`` (a step whose loss or gradient norm is not finite is a ``NonFiniteError``)
-        or ``"skip"`` (it changes nothing and is counted in ``non_finite_skips``)."""
+        or ``"skip"`` (it changes nothing and is counted in ``non_finite_skips``). ``grad_dtype``: what the
+        micro-batches' gradients accumulate in on this rank (``runtime.stage_params``; float32 whatever
+        ``param_dtype`` is, unless asked otherwise)."""
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         self.ctx, self.cluster, self.layout, self.optimizer = ctx, cluster, layout, optimizer
@@ -117,6 +121,7 @@ class Executor:
         self.non_finite_skips = 0
         """Steps skipped because their loss or gradient norm was not finite (``non_finite="skip"``)."""
         self.param_dtype, self.reduce_dtype, self.chunk_numel = param_dtype, reduce_dtype, chunk_numel
+        self.grad_dtype = grad_dtype
         self.overlap = overlap
         self.windows = layout_windows(layout, windows) if overlap else []
         """The fixed layout's movement windows (overlapped movement only)."""
@@ -149,7 +154,8 @@ class Executor:
         """The compute copy of ``program``'s slices at ``position`` (made and bound once per position)."""
         held = self._params.get(position)
         if held is None or held[0] is not program:
-            params = StageParams(self.layout, program.param_slices, scheme.tp, self.param_dtype, self.ctx.device)
+            params = StageParams(self.layout, program.param_slices, scheme.tp, self.param_dtype, self.ctx.device,
+                                 grad_dtype=self.grad_dtype)
             program.bind(params.params)
             self._params[position] = held = (program, params)
         return held[1]
@@ -195,7 +201,7 @@ class Executor:
                 if ranks.scheme.pp == 1:
                     loss_sum = self._run_local(program, micro, pairs, self.ctx.device, flow)
                 else:
-                    loss_sum = _Pipeline(self.ctx.device, ranks, place).run(program, micro, pairs, flow)
+                    loss_sum = Pipeline(self.ctx.device, ranks, place).run(program, micro, pairs, flow)
         finally:
             params.on_accumulated = None
         if pull is not None:
@@ -358,95 +364,3 @@ class _Flow:
     def backward(self, last: bool) -> None:
         if last and self.push is not None:
             self.params.on_accumulated = self.push.accumulated
-
-
-class _Pipeline:
-    """1F1B over the replica's stages: stage s runs ``min(pp - s - 1, v)`` forwards ahead, then alternates
-    one forward and one backward, then drains the backwards. Activations go to the same TP rank of the next
-    stage, gradients come back the same way; no header travels: the receiver knows every shape and dtype
-    from its program (``StageProgram.boundary_in`` for the micro-batch's tokens; its own outputs for their
-    gradients), and the loss stays on the device."""
-
-    def __init__(self, device: torch.device, replica: ReplicaPlan, place: Place):
-        stage, cp_rank, tp_rank = place.stage, place.cp_rank, place.tp_rank
-        self.pp, self.stage = replica.scheme.pp, stage
-        self.prev = replica.rank_at(stage - 1, cp_rank, tp_rank) if stage > 0 else None
-        self.next = replica.rank_at(stage + 1, cp_rank, tp_rank) if stage + 1 < self.pp else None
-        self.device = device
-        self.in_flight: list[tuple[comm.Work, torch.Tensor]] = []
-
-    def _send(self, leaves: Sequence[torch.Tensor], dst: int) -> None:
-        """Non-blocking (neighbours sending to each other at once cannot deadlock), leaf by leaf in order."""
-        for t in leaves:
-            self.in_flight.append(comm.isend(t.detach(), dst))
-
-    def _recv(self, specs: list, src: int) -> list:
-        """Boundary items shaped as ``specs`` (``(shape, dtype)`` or a list of them per item), received."""
-        items = []
-        for spec in specs:
-            group = spec if isinstance(spec, list) else [spec]
-            leaves = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in group]
-            for t in leaves:
-                comm.recv(t, src)
-            items.append(leaves if isinstance(spec, list) else leaves[0])
-        return [tuple(i) if isinstance(i, list) else i for i in items]
-
-    def run(self, program: StageProgram, micro: list, pairs: int, flow: _Flow) -> torch.Tensor:
-        v = len(micro)
-        warmup = min(self.pp - self.stage - 1, v)
-        pending: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        order = ["F"] * warmup + ["F", "B"] * (v - warmup) + ["B"] * warmup
-        forwards = backwards = 0
-        for op in order:
-            if op == "F":
-                with flow.forward(first=forwards == 0):
-                    outs, inputs, loss = self._forward(program, micro[forwards], pairs)
-                total += loss
-                pending.append((outs, inputs))
-                forwards += 1
-            else:
-                backwards += 1
-                flow.backward(last=backwards == v)
-                self._backward(*pending.pop(0))
-        for work, _ in self.in_flight:
-            work.wait()
-        return total
-
-    def _forward(self, program: StageProgram, mb: micro_batch.MicroBatch, pairs: int):
-        inputs = [] if self.prev is None else self._recv(program.boundary_in(int(mb.ids.shape[0])), self.prev)
-        for t in _leaves(inputs):
-            if t.is_floating_point():
-                t.requires_grad_(True)
-        outs = mb.run(program, tuple(inputs))
-        if self.next is not None:
-            self._send(_leaves(outs), self.next)
-            return outs, inputs, torch.zeros((), dtype=torch.float64, device=self.device)
-        loss = mb.loss_sum(outs[0])
-        return (loss / pairs,), inputs, loss.detach()
-
-    def _backward(self, outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> None:
-        if self.next is None:
-            outs[0].backward()
-        else:
-            floating = [o for o in _leaves(outs) if o.is_floating_point()]
-            grads = self._recv([(tuple(o.shape), o.dtype) for o in floating], self.next)
-            pairs = [(o, g) for o, g in zip(floating, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if self.prev is not None:
-            self._send([t.grad if t.grad is not None else torch.zeros_like(t)
-                        for t in _leaves(inputs) if t.is_floating_point()], self.prev)
-
-
-def _leaves(items: Sequence) -> list[torch.Tensor]:
-    """The tensors of boundary items (tensors, or tuples of tensors), in order."""
-    leaves: list[torch.Tensor] = []
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            leaves.append(item)
-        elif isinstance(item, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in item):
-            leaves.extend(item)
-        else:
-            raise TypeError(f"a pipeline boundary carries tensors or tuples of tensors, got {type(item).__name__}")
-    return leaves

@@ -5,8 +5,9 @@ ways of making one on the host: :func:`packed` (whole sequences concatenated, th
 device from the offsets) and :func:`context_parallel` (the rank's share of the sequences,
 ``passes.graph.context_parallel.CpShare``, padded to the bucket every rank of its CP group shares; each token's
 target is the next token of its whole sequence, so a piece's last token is scored against the first token of the
-next piece, which another rank holds). Everything is built from the host batch and copied to the device once; no
-device value is read back.
+next piece, which another rank holds). Everything is built from the host batch, before the step's micro-batch
+loop, and copied to the device once without the host waiting (:func:`to_device`: pinned host memory on a GPU);
+no device value is read back.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from passes.graph.context_parallel import CpShare
 from runtime.loss import IGNORE, packed_causal_lm_loss_sum, targets_loss_sum
 
-__all__ = ["MicroBatch", "packed", "context_parallel"]
+__all__ = ["MicroBatch", "packed", "context_parallel", "to_device"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,9 +60,8 @@ def packed(batch: Sequence[torch.Tensor], indices: Sequence[int], device: torch.
     seqs = [batch[i] for i in indices]
     lengths = [int(t.numel()) for t in seqs]  # host tensors: no device read
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    ids = torch.cat([t.cpu() for t in seqs])
-    return MicroBatch(ids=ids.to(device, non_blocking=True), cu_seqlens=cu.to(device, non_blocking=True),
-                      max_seqlen=max(lengths), tokens=sum(lengths))
+    ids, cu = to_device([torch.cat([t.cpu() for t in seqs]), cu], device)
+    return MicroBatch(ids=ids, cu_seqlens=cu, max_seqlen=max(lengths), tokens=sum(lengths))
 
 
 def context_parallel(batch: Sequence[torch.Tensor], indices: Sequence[int], cp: int, cp_rank: int,
@@ -69,8 +69,21 @@ def context_parallel(batch: Sequence[torch.Tensor], indices: Sequence[int], cp: 
     """CP rank ``cp_rank``'s share of sequences ``indices`` spread over ``cp`` ranks, padded to
     ``bucket(widest rank's tokens)`` (the same on every rank of the group, as the all-gather needs)."""
     share = CpShare.build([batch[i] for i in indices], cp, cp_rank, bucket, ignore=IGNORE)
-    return MicroBatch(ids=share.ids.to(device, non_blocking=True),
-                      cu_seqlens=share.inputs.cu_seqlens_q.to(device, non_blocking=True),
+    ids, cu, targets, *cp_inputs = to_device([share.ids, share.inputs.cu_seqlens_q, share.next_ids, share.positions,
+                                              share.inputs.key_rows, share.inputs.cu_seqlens_k], device)
+    return MicroBatch(ids=ids, cu_seqlens=cu,
                       max_seqlen=share.inputs.max_seqlen_q,
-                      tokens=share.tokens, targets=share.next_ids.to(device, non_blocking=True),
-                      cp_inputs=share.graph_inputs(device))
+                      tokens=share.tokens, targets=targets, cp_inputs=tuple(cp_inputs))
+
+
+def to_device(host: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host tensors on ``device`` without the host waiting for the device: on the CPU themselves; on a GPU each
+    copied from pinned memory with a non-blocking copy (from pageable memory that copy would block, as
+    ``new_tensor`` or a plain ``.to`` does; the pinned block is not reused before the copy is done); on any other
+    device a non-blocking copy."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [t.cpu() for t in host]
+    if device.type == "cuda":
+        return [t.pin_memory().to(device, non_blocking=True) for t in host]
+    return [t.to(device, non_blocking=True) for t in host]

@@ -15,9 +15,15 @@ own (``runtime.distributed.movement_group``), never between a pipeline's or a TP
 two ranks messages match in the order both post them: pulls are posted by every rank at the start of the step
 in ascending windows; pushes in descending windows (a sender posts window w only once every higher window is
 posted; owners post every receive at the end in the same order), so every pair agrees, under gloo and NCCL.
-What this costs: the messages of all windows are in flight at once, so an owner holds the pull's send
-buffers of every window (its served elements in the compute dtype) and the push's receive buffers (its served
-elements in the reduction dtype) instead of one chunk of each.
+Windows hold at most ``MAX_WINDOW_NUMEL`` elements. No rank waits, inside its compute, for a message another
+rank posts inside its compute: the pull is posted whole before the compute starts and the push is summed only
+after the backward has ended. (Bounding the windows in flight by waiting for the oldest one before posting the
+next deadlocks a pipeline: a stage would wait for a window its next stage posts only once that stage has
+received the activation the first one has not sent yet; ``tests/test_runtime_executor.py`` runs that case.)
+So a rank holds every window's movement buffers at once at the peaks: the pull's send buffers (each served
+element in the compute dtype, once per rank that computes with it) and the push's (the compute copy's gradients
+in the reduction dtype, and each served element once per sender); :func:`overlap_buffer_bytes` is what the
+memory model charges for them.
 """
 
 from __future__ import annotations
@@ -31,18 +37,33 @@ from runtime.fixed_layout import FixedLayout
 from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges, intersect, pieces, total
 from runtime.stage_params import StageParams
 
-__all__ = ["layout_windows", "WindowedMovement", "PullInFlight", "PushInFlight", "DEFAULT_WINDOWS"]
+__all__ = ["layout_windows", "WindowedMovement", "PullInFlight", "PushInFlight", "DEFAULT_WINDOWS",
+           "MAX_WINDOW_NUMEL", "overlap_buffer_bytes"]
 
 DEFAULT_WINDOWS = 8
-"""Windows the fixed layout is cut into for overlapped movement."""
+"""Windows the fixed layout is cut into for overlapped movement (more where they would exceed
+``MAX_WINDOW_NUMEL``)."""
+MAX_WINDOW_NUMEL = 1 << 25
+"""Elements of the largest window (one parameter larger than this is a window of its own)."""
+
+
+def overlap_buffer_bytes(shard_numel: int, compute_numel: int, replicas: int, param_bytes: int,
+                         reduce_bytes: int) -> int:
+    """Bytes of movement buffers a rank holds at most under overlapped movement: its shard served to up to
+    ``replicas`` ranks in the compute dtype (the pull's sends) and received from as many in the reduction dtype
+    (the push's receives), plus its compute copy's ``compute_numel`` gradients in the reduction dtype (the
+    push's sends, kept until the step ends). A bound: each replica computes with an element on one rank (an
+    element a tensor-parallel group replicates, such as a norm's weight, is small)."""
+    return shard_numel * replicas * (param_bytes + reduce_bytes) + compute_numel * reduce_bytes
 
 
 def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tuple[int, int]]:
     """The flat vector cut into windows [lo, hi) at parameter boundaries, each about ``numel / count`` elements
-    (a parameter larger than that is one window), at most ``count`` of them plus one more where a window would
-    cross into the layout's next region (``FixedLayout.regions``: none does)."""
+    and at most ``MAX_WINDOW_NUMEL`` where the parameters allow (a parameter larger than that is one window), plus
+    one more where a window would cross into the layout's next region (``FixedLayout.regions``: none does)."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"the number of movement windows must be a positive integer, got {count!r}")
+    count = max(count, -(-layout.numel // MAX_WINDOW_NUMEL))
     target = layout.numel / count
     region_starts = {lo for lo, _ in layout.regions[1:]}
     cuts, sized = [0], 1
@@ -51,7 +72,8 @@ def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tu
             continue
         if spec.offset in region_starts:
             cuts.append(spec.offset)
-        elif spec.offset - cuts[-1] >= target and sized < count:
+        elif (spec.offset - cuts[-1] >= target and sized < count) or \
+                spec.offset + spec.numel - cuts[-1] > MAX_WINDOW_NUMEL:  # the window would grow past the bound
             cuts.append(spec.offset)
             sized += 1
     return [(lo, hi) for lo, hi in zip(cuts, [*cuts[1:], layout.numel]) if hi > lo]
@@ -121,38 +143,54 @@ class WindowedMovement:
 
 
 class PullInFlight:
-    """Every window's parameter slices on their way into this rank's buffer."""
+    """This rank's parameter slices on their way into its buffer: every window posted at once, in ascending
+    order, waited window by window."""
 
     def __init__(self, plan: WindowedMovement, layout: FixedLayout, flat: torch.Tensor):
         if flat.numel() != plan.move.numel:
             raise ValueError(f"the buffer has {flat.numel()} elements, this rank computes with {plan.move.numel}")
-        self.plan, self.waited, self.wait_s = plan, 0, 0.0
-        shard, group, size = layout.shard.detach(), comm.movement_group(), flat.element_size()
+        self.plan, self.flat, self.waited, self.wait_s = plan, flat, 0, 0.0
+        self.shard, self.group = layout.shard.detach(), comm.movement_group()
         self._works: list[list[comm.Work]] = []
         self._keep: list[list[torch.Tensor]] = []
-        sent = received = 0
-        for g in range(len(plan.windows)):
-            sends, recvs = [], []
-            for j, ranges in plan.serves[g]:
-                if j == plan.rank:
+        size = flat.element_size()
+        sent = sum(total(ranges) for g in range(len(plan.windows)) for j, ranges in plan.serves[g] if j != plan.rank)
+        received = sum(count for g in range(len(plan.windows)) for owner, _, count in plan.fills[g]
+                       if owner != plan.rank)
+        self.traffic = Traffic(params_received=received * size, params_sent=sent * size)
+        """Bytes this pull moves (every window)."""
+        self.post_all()
+
+    def _post_next(self) -> None:
+        """Post the next window's sends and receives (and copy what this rank's own shard holds of it)."""
+        plan, flat, shard, g = self.plan, self.flat, self.shard, len(self._works)
+        sends, recvs = [], []
+        for j, ranges in plan.serves[g]:
+            if j == plan.rank:
+                continue
+            for c, n in plan.chunks(total(ranges)):
+                sends.append((gather_ranges(shard, ranges, c, n, flat.dtype), j))
+        with torch.no_grad():
+            for owner, start, count in plan.fills[g]:
+                if owner == plan.rank:
+                    local = next(r for j, r in plan.serves[g] if j == plan.rank)
+                    for pos, off, n in pieces(local, 0, count):
+                        flat[start + pos:start + pos + n].copy_(shard[off:off + n])
                     continue
-                for c, n in plan.chunks(total(ranges)):
-                    sends.append((gather_ranges(shard, ranges, c, n, flat.dtype), j))
-                    sent += n * size
-            with torch.no_grad():
-                for owner, start, count in plan.fills[g]:
-                    if owner == plan.rank:
-                        local = next(r for j, r in plan.serves[g] if j == plan.rank)
-                        for pos, off, n in pieces(local, 0, count):
-                            flat[start + pos:start + pos + n].copy_(shard[off:off + n])
-                        continue
-                    for c, n in plan.chunks(count):
-                        recvs.append((flat[start + c:start + c + n], owner))
-                        received += n * size
-            self._works.append(comm.post(sends, recvs, group))
-            self._keep.append([t for t, _ in sends])
-        self.traffic = Traffic(params_received=received, params_sent=sent)
-        """Bytes this pull moves."""
+                for c, n in plan.chunks(count):
+                    recvs.append((flat[start + c:start + c + n], owner))
+        self._works.append(comm.post(sends, recvs, self.group))
+        self._keep.append([t for t, _ in sends])
+
+    @property
+    def posted_all(self) -> bool:
+        """Whether every window has been posted."""
+        return len(self._works) == len(self.plan.windows)
+
+    def post_all(self) -> None:
+        """Post every window not posted yet, without waiting."""
+        while not self.posted_all:
+            self._post_next()
 
     def wait(self, window: int) -> None:
         """Block until every window up to ``window`` is in place (under NCCL: the current stream waits)."""
@@ -166,7 +204,7 @@ class PullInFlight:
 
     def wait_all(self) -> None:
         """Block until the whole pull is done (this rank's sends included)."""
-        self.wait(len(self._works) - 1)
+        self.wait(len(self.plan.windows) - 1)
 
 
 class PushInFlight:
@@ -175,7 +213,9 @@ class PushInFlight:
     once this rank's last backward has accumulated every gradient of it, and only after every higher window:
     every rank posts the same windows in the same order, each pair's sends matching its receives, so under NCCL
     (where a send waits on the stream until its receive is posted) no rank's stream waits on a window another
-    rank posts after one it is itself waiting for."""
+    rank posts after one it is itself waiting for. Nothing is waited for before the backward has ended
+    (:meth:`finish`): a wait inside it could stand on a window that a rank further down the pipeline posts only
+    after this one has sent it a gradient."""
 
     def __init__(self, plan: WindowedMovement, params: StageParams, reduce_dtype: torch.dtype, layout: FixedLayout):
         self.plan, self.params, self.reduce_dtype = plan, params, reduce_dtype
@@ -191,12 +231,11 @@ class PushInFlight:
         self.next = windows - 1
         """The highest window not posted yet (posting goes down)."""
         self.sent = self.received = 0
-        self._works: list[comm.Work] = []
-        self._keep: list[torch.Tensor] = []
-        self._adds: list[tuple[torch.Tensor, Ranges, int]] = []
-        """(receive buffer, ranges of the shard it holds, its first element in their concatenation)."""
+        self._in_flight: list[tuple[list[comm.Work], list[torch.Tensor], list[tuple[torch.Tensor, Ranges, int]]]] = []
+        """Per window posted and not yet summed: its works, its send buffers and its (receive buffer, ranges of the
+        shard it holds, its first element in their concatenation)."""
+        self.shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
         self.group = comm.movement_group()
-        self._post_ready()  # the windows this rank computes nothing in, above its first one
 
     def accumulated(self, name: str) -> None:
         """The step's last gradient of parameter ``name`` is in the buffer: post its window once all are."""
@@ -213,12 +252,21 @@ class PushInFlight:
             self._post(self.next)
             self.next -= 1
 
+    def _sum_oldest(self) -> None:
+        """Wait for the oldest window in flight and add what it received into the shard's gradient."""
+        works, _, adds = self._in_flight.pop(0)
+        for work in works:
+            work.wait()
+        for buf, ranges, c in adds:
+            for pos, off, n in pieces(ranges, c, buf.numel()):
+                self.shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
+
     def _post(self, g: int) -> None:
         plan, grads = self.plan, self.params.grad_flat
         if grads is None:
             raise RuntimeError("no gradients: zero_grads() was not called this step")
         self.params.weigh_grads(*plan.spans[g])
-        sends, recvs = [], []
+        sends, recvs, adds = [], [], []
         for owner, start, count in plan.fills[g]:
             if owner == plan.rank:
                 continue
@@ -231,29 +279,23 @@ class PushInFlight:
             for c, n in plan.chunks(total(ranges)):
                 buf = torch.empty(n, dtype=self.reduce_dtype, device=self.device)
                 recvs.append((buf, j))
-                self._adds.append((buf, ranges, c))
+                adds.append((buf, ranges, c))
                 self.received += n * self.size
-        self._works += comm.post(sends, recvs, self.group)
-        self._keep += [t for t, _ in sends]
+        self._in_flight.append((comm.post(sends, recvs, self.group), [t for t, _ in sends], adds))
 
     def finish(self, layout: FixedLayout) -> Traffic:
         """Post what is left (the backward is over), wait for every window and sum this rank's own gradients
         and the received ones into ``layout.shard.grad`` (fp32)."""
         self.ready = [True] * len(self.ready)
         self._post_ready()
-        plan, grads = self.plan, self.params.grad_flat
-        shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.shard.device)
+        plan, grads, shard_grad = self.plan, self.params.grad_flat, self.shard_grad
         for g in range(len(plan.windows)):
             for owner, start, count in plan.fills[g]:
                 if owner == plan.rank:
                     local = next(r for j, r in plan.serves[g] if j == plan.rank)
                     for pos, off, n in pieces(local, 0, count):
                         shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
-        for work in self._works:
-            work.wait()
-        for buf, ranges, c in self._adds:
-            for pos, off, n in pieces(ranges, c, buf.numel()):
-                shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
-        self._works, self._keep, self._adds = [], [], []
+        while self._in_flight:
+            self._sum_oldest()
         layout.shard.grad = shard_grad
         return Traffic(grads_sent=self.sent, grads_received=self.received)

@@ -3,10 +3,13 @@ computes with, shared by every token bucket's compiled variant.
 
 Owns one flat buffer in the compute dtype that holds the rank's parameter slices in the fixed layout's flat
 order (so the redistribution receives straight into it), one ``nn.Parameter`` per slice viewing it in the
-shape the graph expects, and one flat gradient buffer in the same order that the Parameters' ``.grad`` view
-(so autograd accumulates every micro-batch of every bucket into one place, once, and the buffer is sent to
-the owners as it is). Storage exists only during a step: :meth:`StageParams.materialize` before it,
-:meth:`release` after it, so a rank never keeps the slices of a strategy it is not running.
+shape the graph expects, and one flat gradient buffer in the same order, in the gradient-accumulation dtype
+(float32 by default, Megatron's ``main_grad``: every micro-batch of every bucket adds into one place, and the
+buffer is sent to the owners as it is). When that dtype is the compute dtype the Parameters' ``.grad`` view
+the buffer and autograd adds into it; otherwise each micro-batch's gradient (compute dtype) is added into the
+buffer by a hook as autograd finishes it, and dropped. Storage exists only during a step:
+:meth:`StageParams.materialize` before it, :meth:`release` after it, so a rank never keeps the slices of a
+strategy it is not running.
 """
 
 from __future__ import annotations
@@ -28,8 +31,16 @@ class StageParams:
     """One rank's parameter slices of one stage program, in ``dtype`` on ``device``."""
 
     def __init__(self, layout: FixedLayout, slices: Mapping[str, ParamSlice], tp: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 grad_dtype: torch.dtype | None = None):
+        """``dtype``: the compute copy's; ``grad_dtype``: the gradient buffer's, what micro-batches accumulate in
+        (None: ``dtype``)."""
         self.dtype, self.device = dtype, torch.device(device)
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
+        """dtype of the flat gradient buffer (what every micro-batch's gradient is added into)."""
+        self._grad_views: dict[str, torch.Tensor] | None = None
+        """By parameter, its region of the gradient buffer, when that is not in the compute dtype (the hook adds
+        each micro-batch's gradient there); None: the Parameters' ``.grad`` are those regions."""
         ordered = sorted(slices.values(), key=lambda s: layout.specs[s.name].offset if s.name in layout.specs
                          else _unknown(s.name))
         self._views: list[tuple[str, int, ParamSlice]] = []
@@ -61,7 +72,11 @@ class StageParams:
             param.register_post_accumulate_grad_hook(self._listener(name))
 
     def _listener(self, name: str) -> Callable[[torch.Tensor], None]:
-        def accumulated(_: torch.Tensor) -> None:
+        def accumulated(param: torch.Tensor) -> None:
+            views = self._grad_views
+            if views is not None and param.grad is not None:  # accumulate in the buffer's dtype, drop the rest
+                views[name].add_(param.grad)
+                param.grad = None
             if self.on_accumulated is not None:
                 self.on_accumulated(name)
         return accumulated
@@ -74,8 +89,13 @@ class StageParams:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the parameter buffer (the gradient buffer is the same size)."""
+        """Bytes of the parameter buffer."""
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of the gradient buffer (in ``grad_dtype``)."""
+        return self.numel * torch.empty((), dtype=self.grad_dtype).element_size()
 
     def materialize(self) -> torch.Tensor:
         """Fresh (uninitialised) storage for the parameters; returns the flat buffer to fill."""
@@ -85,10 +105,15 @@ class StageParams:
         return self.flat
 
     def zero_grads(self) -> None:
-        """A zeroed gradient buffer that every Parameter's ``.grad`` views (autograd adds into it in place)."""
-        self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        for name, view in self._regions(self.grad_flat).items():
-            self.params[name].grad = view
+        """A zeroed gradient buffer in ``grad_dtype`` that every micro-batch's gradients are added into: the
+        Parameters' ``.grad`` view it (autograd adds in place) when it is in the compute dtype; else the
+        Parameters' ``.grad`` stay None between micro-batches and a hook adds each one into it."""
+        self.grad_flat = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
+        views = self._regions(self.grad_flat)
+        same = self.grad_dtype == self.dtype
+        self._grad_views = None if same else views
+        for name, view in views.items():
+            self.params[name].grad = view if same else None
 
     def weighted_grads(self) -> torch.Tensor:
         """The flat gradient buffer with each region multiplied by its factor (in place): what the owners sum."""
@@ -125,6 +150,7 @@ class StageParams:
         for p in self.params.values():
             p.grad = None
         self.grad_flat = None
+        self._grad_views = None
         self.release_data()
 
     def _regions(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ inside one node or spans whole nodes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -44,9 +45,22 @@ class Cluster:
                 raise PlanError(f"{name} must be positive, got {getattr(self, name)!r}")
 
     @classmethod
-    def local(cls, world_size: int) -> "Cluster":
-        """All ranks on this one machine: a single node."""
-        return cls(world_size=world_size, gpus_per_node=world_size)
+    def local(cls, world_size: int, gpus_per_node: int | None = None) -> "Cluster":
+        """The job as its launcher started it: ``gpus_per_node`` ranks per node, by default env
+        ``LOCAL_WORLD_SIZE`` (torchrun and ``hcompile launch`` set it: the ranks started on each node), and
+        without it every rank on this one machine. A value that is not a positive integer, or does not divide
+        a job of several nodes, is a PlanError naming it."""
+        if gpus_per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                gpus_per_node = world_size
+            else:
+                try:
+                    gpus_per_node = int(env)
+                except ValueError:
+                    raise PlanError(f"LOCAL_WORLD_SIZE must be a positive integer (ranks per node), got "
+                                    f"{env!r}") from None
+        return cls(world_size=world_size, gpus_per_node=gpus_per_node)
 
     @property
     def nodes(self) -> int:

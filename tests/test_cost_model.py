@@ -38,21 +38,23 @@ def test_state_bytes_hand_computed():
 
 def test_hcompile_runtime_state_bytes_hand_computed():
     """This runtime: 16 bytes per parameter (fp32 master, Adam m and v, fp32 shard gradient) over all 64 GPUs,
-    the rank's bf16 parameter and gradient of its slice, one send and one receive chunk of 16M fp32."""
+    the rank's bf16 parameter and fp32 accumulated gradient of its slice, one send and one receive chunk of 16M
+    fp32."""
     L, H, V, B = 60, 6656, 30592, 201
     per_h2 = B / 16  # the profiled runtime keeps 16 bytes per parameter
     total = L * H * H * per_h2 + 2 * H * V
     tp4 = (L * H * H * per_h2 + 2 * H * V) / 4  # one stage: every layer, embedding and head
     assert state_bytes(P32, ParallelScheme(tp=4), LAYOUT_32B_64, HCOMPILE_RUNTIME) == pytest.approx(
-        total * 16 / 64 + tp4 * (2 + 2) + 2 * 2**24 * 4)
+        total * 16 / 64 + tp4 * (2 + 4) + 2 * 2**24 * 4)
     stage = (L / 2) * H * H * per_h2 / 8 + H * V / 8  # (tp8, pp2): half the layers, one H x V matrix
     assert state_bytes(P32, ParallelScheme(tp=8, pp=2), LAYOUT_32B_64, HCOMPILE_RUNTIME) == pytest.approx(
-        total * 16 / 64 + stage * 4 + 2 * 2**24 * 4)
+        total * 16 / 64 + stage * 6 + 2 * 2**24 * 4)
 
 
-@pytest.mark.parametrize("tp,expected", [(16, 41728), (8, 20736), (4, 7168)])
+@pytest.mark.parametrize("tp,expected", [(16, 38400), (8, 16768), (4, 2688)])
 def test_hcompile_runtime_longest_sequences(tp, expected):
-    """A quarter more sharded state and the transfer chunks: a little shorter than the paper's runtime holds."""
+    """A quarter more sharded state, the fp32 gradient buffer and the transfer chunks: shorter than the paper's
+    runtime holds."""
     got = max_tokens_for(P32, ParallelScheme(tp=tp), LAYOUT_32B_64, HCOMPILE_RUNTIME)
     assert got == expected < max_tokens_for(P32, ParallelScheme(tp=tp), LAYOUT_32B_64)
     assert "hcompile memory" in build_cost_model(P32, LAYOUT_32B_64, HCOMPILE_RUNTIME).name
@@ -61,6 +63,9 @@ def test_hcompile_runtime_longest_sequences(tp, expected):
 def test_runtime_memory_values():
     fp32 = hcompile_runtime(param_bytes=4, reduce_bytes=4, optimizer_bytes=0, chunk_numel=10)
     assert (fp32.sharded_bytes, fp32.compute_bytes, fp32.buffer_bytes) == (8, 8, 80)
+    # bf16 compute copies: the parameter in bf16, its gradient accumulated in fp32 unless asked otherwise
+    assert hcompile_runtime(param_bytes=2).compute_bytes == 6
+    assert hcompile_runtime(param_bytes=2, grad_bytes=2).compute_bytes == 4
     with pytest.raises(PlanError, match="sharded_bytes must be a finite number >= 0, got -1"):
         RuntimeMemory(name="x", sharded_bytes=-1, compute_bytes=0)
 

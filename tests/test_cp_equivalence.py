@@ -5,13 +5,15 @@ of 8 that each CP rank applies on whole-sequence positions), and in ``make test-
 (counted from each whole sequence's start), each step equal to plain single-process SGD at 1e-5: the loss and
 every parameter. Each CP replica splits the long
 sequences over its ranks (every rank's positions those of the whole sequence, every pair scored once), runs
-several micro-batches, and passes the lowering self-check on a probe first."""
+several micro-batches, and passes the lowering self-check on a probe first; every rank's point-to-point
+operations come in an order NCCL completes (``tests/p2p_order.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dist_util import run_ranks
+from p2p_order import p2p_problems
 from test_equivalence import reference_sgd
 from test_hf_models import _HFLogits
 from tiers import FULL
@@ -60,6 +62,15 @@ def _steps(name: str) -> list:
 
 
 def _train(rank, world, name):
+    """Each step on a trainer of its own, and every point-to-point operation this rank posted."""
+    from p2p_order import P2PRecorder
+
+    with P2PRecorder() as rec:
+        out = _train_steps(name)
+    return out, rec.ops
+
+
+def _train_steps(name):
     import hcompile
 
     out = []
@@ -77,7 +88,9 @@ def _train(rank, world, name):
 
 @pytest.mark.parametrize("name", ["gpt", "mistral", pytest.param("llama4_chunked", marks=[pytest.mark.slow])])
 def test_context_parallel_steps_match_single_process_sgd(tmp_path, name):
-    results = run_ranks(4, tmp_path, _train, name, timeout_s=500)
+    per_rank = run_ranks(4, tmp_path, _train, name, timeout_s=500)
+    assert p2p_problems([ops for _, ops in per_rank]) == []
+    results = [out for out, _ in per_rank]
     for step, (strategy, lens) in enumerate(_steps(name)):
         assert max(lens) > _without_cp_cap(strategy), "the batch must need context parallelism"
         model = _model(name) if name == "gpt" else _HFLogits(_model(name))

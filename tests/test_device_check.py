@@ -1,6 +1,7 @@
 """``python -m benchmarks.device_check`` off a GPU: the command skips in one line and writes nothing; its table, JSON
 line and exit code; each part's pass/fail rules on fake measurements; part (a)'s comparison against per-sequence
-SDPA on the CPU (and that it catches wrong kernels); parts (c) and (d) run end to end on the CPU, small."""
+SDPA on the CPU (and that it catches wrong kernels); parts (c), (d) and (e) run end to end on the CPU, small (part
+(e) on two gloo ranks)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,13 @@ def test_without_a_gpu_the_command_skips_in_one_line_and_writes_nothing(tmp_path
                          timeout=120, env=_env(), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     (line,) = out.stdout.strip().splitlines()
-    assert line.startswith("device_check: no CUDA GPU") and all(f"({p})" in line for p in "abcd")
+    assert line.startswith("device_check: no CUDA GPU") and all(f"({p})" in line for p in "abcde")
     assert list(tmp_path.iterdir()) == []  # no results/ folder, no JSON line
 
 
 def test_parts_option_is_checked():
     assert dc.parse_args(["--parts", "a, c"]).parts == "ac"
-    for bad in ("a,e", "", "a,a"):
+    for bad in ("a,f", "", "a,a"):
         with pytest.raises(SystemExit):
             dc.parse_args(["--parts", bad])
     assert "(b)" in dc.skip_line("b") and "(a)" not in dc.skip_line("b")
@@ -87,18 +88,19 @@ def test_main_on_a_gpu_runs_every_part_alone_and_appends_one_stamped_line(monkey
     monkeypatch.setattr(dc, "check_attention_speed", lambda quick: 1 / 0)
     monkeypatch.setattr(dc, "check_training", lambda quick, name: [dc.Check(part="c", name=name, passed=True)])
     monkeypatch.setattr(dc, "check_profile_on_gpu", lambda name: [dc.Check(part="d", name="p", passed=True)])
+    monkeypatch.setattr(dc, "check_multi_gpu", lambda quick: [dc.Check(part="e", name="m", passed=True)])
     out = tmp_path / "results" / "device_check.jsonl"
     assert dc.main(["--out", str(out), "--quick"]) == 1
     printed = capsys.readouterr().out.strip().splitlines()
     record = json.loads(printed[-1])
     assert json.loads(out.read_text()) == record
-    assert [c["part"] for c in record["checks"]] == ["a", "b", "c", "d"]
-    assert [c["passed"] for c in record["checks"]] == [True, False, True, True]
+    assert [c["part"] for c in record["checks"]] == ["a", "b", "c", "d", "e"]
+    assert [c["passed"] for c in record["checks"]] == [True, False, True, True, True]
     assert record["checks"][1]["detail"].startswith("ZeroDivisionError")
     assert record["checks"][2]["name"] == "NVIDIA H200" and record["device"] == "NVIDIA H200"
     for key in ("commit", "torch", "triton", "cuda", "part_s"):
         assert key in record
-    assert record["quick"] is True and set(record["part_s"]) == set("abcd")
+    assert record["quick"] is True and set(record["part_s"]) == set("abcde")
     assert dc.main(["--out", str(out), "--parts", "a"]) == 0
     assert len(out.read_text().splitlines()) == 2
 
@@ -262,3 +264,18 @@ def test_part_d_fails_on_a_profile_that_does_not_run_or_does_not_plan(tmp_path):
     bad.write_text('{"model": {}}')
     check = dc.plan_check(bad, tmp_path, gpus=1, timeout_s=120)
     assert not check.passed and "exited 2" in check.detail
+
+
+def test_part_e_trains_every_strategy_equal_to_one_device_on_two_cpu_ranks(tmp_path):
+    """Part (e)'s job on gloo CPU ranks: tp2 and a two-stage pipeline with several micro-batches equal to
+    single-process SGD, plain and overlapped movement timed; its lines pass (no memory line off a GPU)."""
+    from dist_util import run_ranks
+
+    from benchmarks.device_multi import multi_gpu_checks, multi_gpu_job
+
+    results = run_ranks(2, tmp_path, multi_gpu_job, 2, timeout_s=400)
+    checks = multi_gpu_checks(results, 2)
+    assert [c.name for c in checks] == ["1x(tp2) equals one device", "1x(pp2) equals one device",
+                                        "movement overlapped with compute"]
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    assert checks[1].numbers["micro_batches"] >= 2

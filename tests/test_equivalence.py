@@ -1,7 +1,8 @@
 """A heterogeneous step equals a single-device step: random strategies on 4 gloo ranks (tp1/tp2/tp4, pp1/pp2,
 cp2/cp4, mixed), random batches, caps small enough that replicas run several micro-batches in several token
-buckets, GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter). Also the case that
-exposed buckets sharing the model's Parameters: one rank, micro-batches in two buckets."""
+buckets, GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter), every rank's
+point-to-point operations in an order NCCL completes (``tests/p2p_order.py``). Also the case that exposed buckets
+sharing the model's Parameters: one rank, micro-batches in two buckets."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from dist_util import LateOwner, run_ranks
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from p2p_order import p2p_problems
 from tiers import FULL
 
 from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
@@ -54,7 +56,16 @@ def _make(name: str, seed: int):
 
 
 def _train(rank, world, cases, lr):
-    """Each case on every rank: its own model and trainer, its forced strategy per step."""
+    """Each case on every rank: its own model and trainer, its forced strategy per step; and every
+    point-to-point operation the rank posted."""
+    from p2p_order import P2PRecorder
+
+    with P2PRecorder() as rec:
+        out = _cases(cases, lr)
+    return out, rec.ops
+
+
+def _cases(cases, lr):
     import hcompile
 
     out = []
@@ -130,8 +141,9 @@ def test_random_strategies_match_single_process_sgd(tmp_path, name, data):
     drawn = data.draw(st.lists(cases(name), min_size=2, max_size=2), label="cases")
     lr = 0.3
     fixed = (name, 7, FIXED_STEPS, name == "gpt")  # GPT's tied embedding is read first and last: overlapped
-    results = run_ranks(4, tmp_path, _train, [fixed, *drawn], lr, timeout_s=400)
-    several = _check(results, [fixed, *drawn], lr)
+    per_rank = run_ranks(4, tmp_path, _train, [fixed, *drawn], lr, timeout_s=400)
+    assert p2p_problems([ops for _, ops in per_rank]) == []
+    several = _check([out for out, _ in per_rank], [fixed, *drawn], lr)
     assert several[0] >= 3, "the fixed case must run several micro-batches in several buckets"
 
 

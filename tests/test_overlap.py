@@ -10,7 +10,7 @@ from dist_util import run_ranks
 
 from passes.graph.tensor_parallel import ParamSlice
 from runtime.fixed_layout import FixedLayout
-from runtime.overlap import layout_windows
+from runtime.overlap import layout_windows, overlap_buffer_bytes
 
 SHAPES = {"p0": (13,), "p1": (4, 5), "p2": (31,), "p3": (7, 3), "p4": (17,)}
 SPLIT = {"p1": 1, "p3": 0}
@@ -60,15 +60,21 @@ def _move(rank, world, subsets, orders, chunk, windows, dims):
     flat = params.materialize()
     flat.fill_(-1.0)
     pull = plan.start_pull(layout, flat)
+    posted = [len(pull._works)]  # windows posted before any is waited
+    pull.wait(0)
+    posted.append(len(pull._works))
     pull.wait_all()
     params.zero_grads()
     with torch.no_grad():
         params.grad_flat.copy_(flat * (rank + 1))  # rank r's gradient: (r + 1) times each element it holds
     push = plan.start_push(params, torch.float32, layout)
+    in_flight = [len(push._in_flight)]
     for name in orders[rank]:  # the last backward finishing parameters in this order; the rest at the end
         push.accumulated(name)
+        in_flight.append(len(push._in_flight))
     traffic = pull.traffic + push.finish(layout)
-    return flat.clone(), layout.shard.grad.clone(), traffic, move.local_numel, move.served_numel()
+    return (flat.clone(), layout.shard.grad.clone(), traffic, move.local_numel, move.served_numel(), posted,
+            max(in_flight), len(plan.windows))
 
 
 @pytest.mark.parametrize(("world", "chunk", "windows", "dims"), [(4, 5, 3, {}), (2, 1000, 8, {}), (4, 3, 4, SPLIT)])
@@ -86,7 +92,9 @@ def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, 
         for n in subset:
             spec = layout.specs[n]
             expected_grad[spec.offset:spec.offset + spec.numel] += spec.stored(values[n]).flatten() * (rank + 1)
-    for rank, (flat, shard_grad, traffic, local, served) in enumerate(results):
+    for rank, (flat, shard_grad, traffic, local, served, posted, in_flight, count) in enumerate(results):
+        assert posted == [count, count], posted  # the whole pull posted before the compute starts
+        assert in_flight <= count  # the push waits for nothing before finish()
         want = torch.cat([layout.specs[n].stored(values[n]).flatten() for n in layout.specs if n in subsets[rank]])
         assert torch.equal(flat, want), f"rank {rank} pulled other elements"
         expected_shard = torch.zeros(layout.shard_numel)
@@ -95,3 +103,18 @@ def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, 
         torch.testing.assert_close(shard_grad, expected_shard)
         assert traffic.params_received == traffic.grads_sent == (want.numel() - local) * 4
         assert traffic.params_sent == traffic.grads_received == served * 4
+
+
+def test_windows_are_bounded_in_size_and_what_flies_is_counted(monkeypatch):
+    """A model larger than eight windows of ``MAX_WINDOW_NUMEL`` is cut into more windows, none larger than it
+    where the parameters allow; the buffers the memory model charges are the shard served to every replica both
+    ways and the compute copy's gradients once."""
+    import runtime.overlap as overlap
+
+    monkeypatch.setattr(overlap, "MAX_WINDOW_NUMEL", 20)
+    layout = FixedLayout(SHAPES, rank=0, world_size=2)
+    windows = layout_windows(layout, 2)
+    assert len(windows) > 2
+    sizes = {lo: layout.specs[n].numel for n, spec in layout.specs.items() for lo in [spec.offset]}
+    assert all(hi - lo <= 20 or hi - lo == sizes[lo] for lo, hi in windows), windows  # or one larger parameter
+    assert overlap_buffer_bytes(1000, 4000, 8, param_bytes=2, reduce_bytes=4) == 1000 * 8 * 6 + 4000 * 4

@@ -1,8 +1,11 @@
-"""Runtime on 4 gloo ranks: heterogeneous strategies give the single-process losses and parameters."""
+"""Runtime on 4 gloo ranks: heterogeneous strategies give the single-process losses and parameters, their
+point-to-point operations (movement, pipelines of 2 and 4 stages, overlapped or not) in an order NCCL completes
+(``tests/p2p_order.py``)."""
 
 import pytest
 import torch
 from dist_util import LateOwner, run_ranks
+from p2p_order import p2p_problems
 from staged_lm import StagedPrograms, init_params, reference_loss
 
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
@@ -22,6 +25,15 @@ def batches():
 
 
 def _train(rank, world, strategies, lr, take_turns=False, overlap=False):
+    """The steps, and every point-to-point operation this rank posted."""
+    from p2p_order import P2PRecorder
+
+    with P2PRecorder() as rec:
+        out = _steps(rank, world, strategies, lr, take_turns, overlap)
+    return out, rec.ops
+
+
+def _steps(rank, world, strategies, lr, take_turns, overlap):
     from runtime.distributed import DistContext
     from runtime.executor import Executor
     from runtime.fixed_layout import FixedLayout
@@ -51,7 +63,9 @@ def _train(rank, world, strategies, lr, take_turns=False, overlap=False):
 ])
 def test_heterogeneous_steps_match_single_process_sgd(tmp_path, strategies, take_turns, overlap):
     lr = 0.5
-    results = run_ranks(4, tmp_path, _train, strategies, lr, take_turns, overlap)
+    per_rank = run_ranks(4, tmp_path, _train, strategies, lr, take_turns, overlap)
+    assert p2p_problems([ops for _, ops in per_rank]) == []
+    results = [steps for steps, _ in per_rank]
     params = {k: v.clone().requires_grad_(True) for k, v in init_params(0).items()}
     for step, batch in enumerate(batches()):
         loss = reference_loss(params, batch)

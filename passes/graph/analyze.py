@@ -24,6 +24,7 @@ from torch import fx
 from codegen.reference import extended_attention
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost
+from passes.plan.memory import ModelMemory, scheme_cap
 
 __all__ = [
     "OpClass",
@@ -350,7 +351,7 @@ class Hardware:
 
 
 def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme, world_size: int,
-                 runtime: RuntimeMemory) -> SchemeCost:
+                 runtime: RuntimeMemory, memory: ModelMemory, memory_bytes: float) -> SchemeCost:
     gpus = scheme.tp * scheme.pp
     flops_ms = hw.peak_tflops * 1e12 / 1e3  # FLOPs per ms
     layers, hidden = max(an.layers, 1), max(an.hidden, 1)
@@ -367,25 +368,31 @@ def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme, world_
     a = 3.0 * an.attention_flops_per_seq_sq / gpus / (flops_ms * hw.attention_efficiency)
     messages = (4.0 * layers / scheme.pp if scheme.tp > 1 else 0.0) + (2.0 if scheme.pp > 1 else 0.0)
     c = hw.fixed_ms_per_layer * layers / scheme.pp + messages * hw.latency_us / 1e3
-    states = (an.param_count * runtime.sharded_bytes / world_size + an.param_count / gpus * runtime.compute_bytes
-              + runtime.buffer_bytes)
-    free = (hw.memory_gib - hw.reserved_gib) * 2**30 - states
-    max_tokens = max(0, int(free // per_token) // 128 * 128) if free > 0 else 0
+    max_tokens = scheme_cap(memory, scheme, world_size, runtime, memory_bytes)
     return SchemeCost(scheme=scheme, a=a, b=b, c=c, max_tokens=max_tokens)
 
 
 def analytic_cost_model(
     analysis: GraphAnalysis, hardware: Hardware, schemes: Sequence[ParallelScheme], *, name: str | None = None,
-    world_size: int | None = None, runtime: RuntimeMemory = HCOMPILE_RUNTIME,
+    world_size: int | None = None, runtime: RuntimeMemory = HCOMPILE_RUNTIME, memory: ModelMemory | None = None,
+    memory_bytes: float | None = None,
 ) -> CostModel:
     """A :class:`CostModel` from FLOP counts and hardware peaks: ``T(s) = a s^2 + b s + c`` per stage; each
-    scheme's ``max_tokens`` from the memory left beside ``runtime``'s states on a job of ``world_size`` GPUs
-    (default: the largest scheme's)."""
+    scheme's ``max_tokens`` from the one memory model (``passes.plan.memory.scheme_cap``): ``memory`` (the
+    model's parameters as the layouts split them and its activation bytes per token; default: every parameter
+    split, ``hardware.activation_bytes`` per token, hidden unit and layer) beside ``runtime``'s states on a job of
+    ``world_size`` GPUs (default: the largest scheme's), in ``memory_bytes`` per rank (default: the hardware's
+    memory less its reserve)."""
     if not schemes:
         raise ValueError("analytic_cost_model needs at least one scheme, got none")
     world = world_size or max(s.gpus for s in schemes)
+    if memory is None:
+        per_token = max(analysis.layers, 1) * max(analysis.hidden, 1) * hardware.activation_bytes
+        memory = ModelMemory(params=analysis.param_count, split_params=analysis.param_count, embed_params=0,
+                             head_params=0, bytes_per_token=per_token)
+    usable = (hardware.memory_gib - hardware.reserved_gib) * 2**30 if memory_bytes is None else memory_bytes
     return CostModel(
         name=name or f"analytic@{hardware.name}",
-        entries=tuple(_scheme_cost(analysis, hardware, s, world, runtime) for s in schemes),
+        entries=tuple(_scheme_cost(analysis, hardware, s, world, runtime, memory, usable) for s in schemes),
         gpus_per_node=hardware.gpus_per_node,
     )

@@ -13,7 +13,9 @@ group's ``group_name`` so that the graph stays printable and compilable:
   backward the sum over the group of this rank's rows (``passes.graph.context_parallel``);
 
 and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows; :func:`all_reduce_tensor`,
-a plain (not autograd) sum or max over a named group.
+a plain (not autograd) sum or max over a named group; :func:`is_nccl` / :func:`uses_nccl`, whether a backend
+string (``nccl``, or ``cpu:gloo,cuda:nccl`` as the runtime makes its groups on GPUs) puts device tensors on
+NCCL.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather",
+__all__ = ["is_nccl", "uses_nccl", "all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather",
            "vocab_parallel_embedding", "cp_all_gather", "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER",
            "CP_ALL_GATHER"]
 
@@ -33,6 +35,24 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """Single-tensor gather and reduce-scatter (renamed in torch 2.13; the old names where the new are missing)."""
+
+
+def is_nccl(backend: str) -> bool:
+    """Whether a process group's backend string runs some device's tensors on NCCL: ``nccl``, or a per-device
+    list such as ``cpu:gloo,cuda:nccl`` (what ``dist.get_backend`` returns for the groups the runtime makes on
+    GPUs, so comparing it with ``"nccl"`` is always false); ``gloo`` and ``cpu:gloo`` are not."""
+    if not isinstance(backend, str):
+        raise TypeError(f"a backend is a string such as 'nccl' or 'cpu:gloo,cuda:nccl', got {backend!r}")
+    for entry in backend.lower().split(","):
+        name = entry.rpartition(":")[2].strip()
+        if name == "nccl":
+            return True
+    return False
+
+
+def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (None: the default group) runs device tensors on NCCL (:func:`is_nccl` of its backend)."""
+    return is_nccl(str(dist.get_backend(group)))
 
 
 def all_reduce_tensor(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
@@ -158,7 +178,7 @@ def _setup_cp_gather(ctx: Any, inputs: tuple, output: Any) -> None:
 def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
     group = _resolve_process_group(ctx.group)
     grad = grad.contiguous()
-    if dist.get_backend(group) == "nccl":  # each rank receives only its own rows, summed
+    if uses_nccl(group):  # each rank receives only its own rows, summed
         mine = grad.new_empty((ctx.width, *grad.shape[1:]))
         _REDUCE_SCATTER_SINGLE(mine, grad, group=group)
     else:  # gloo has no reduce-scatter: sum everything, keep this rank's rows

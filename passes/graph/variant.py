@@ -227,11 +227,13 @@ def pad_to_bucket(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, bucket: int
     """Pad (T,) ids to ``bucket`` tokens; the padding is one extra sequence appended to ``cu_seqlens``, empty
     when T fills the bucket: ``cu_seqlens`` then always has at least 3 entries, so a compiler that meets one
     sequence first does not specialise the (dynamic) sequence count to it. ``cu_seqlens`` is not read (a
-    device tensor would synchronise): the packed op checks host offsets, the runtime builds its own."""
+    device tensor would synchronise): the packed op checks host offsets, the runtime builds its own; nor is
+    anything copied from the host (the padding's offset is filled on the device: ``new_tensor`` would copy it
+    from pageable memory, which blocks the host on a GPU, in every micro-batch)."""
     total = int(input_ids.shape[0])
     if input_ids.dim() != 1 or total > bucket:
         raise ValueError(f"input_ids must be (T,) with T <= bucket {bucket}, got shape {tuple(input_ids.shape)}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be 1-D int32, got {tuple(cu_seqlens.shape)} ({cu_seqlens.dtype})")
     ids = input_ids if total == bucket else torch.cat([input_ids, input_ids.new_zeros(bucket - total)])
-    return ids, torch.cat([cu_seqlens, cu_seqlens.new_tensor([bucket])])
+    return ids, torch.cat([cu_seqlens, cu_seqlens.new_full((1,), bucket)])

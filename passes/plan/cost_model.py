@@ -64,8 +64,8 @@ class RuntimeMemory:
     """Bytes per parameter sharded flat over every GPU of the job (master weights, optimiser state, the
     shard's gradient)."""
     compute_bytes: float
-    """Bytes per parameter of the rank's compute copy, its TP slice of its pipeline stage (the parameter and
-    its gradient in the compute dtype)."""
+    """Bytes per parameter of the rank's compute copy, its TP slice of its pipeline stage (the parameter in the
+    compute dtype and its gradient buffer in the accumulation dtype)."""
     buffer_bytes: float = 0.0
     """Fixed bytes of transfer buffers."""
 
@@ -77,16 +77,17 @@ class RuntimeMemory:
 
 
 def hcompile_runtime(param_bytes: int = 2, reduce_bytes: int = 4, optimizer_bytes: int = 8,
-                     chunk_numel: int = 1 << 24) -> RuntimeMemory:
+                     chunk_numel: int = 1 << 24, grad_bytes: int = 4) -> RuntimeMemory:
     """This project's runtime: fp32 master (4), optimiser state (``optimizer_bytes``, 8 for Adam) and the fp32
-    shard gradient (4) per parameter over all GPUs; the compute copy's parameter and gradient in the compute
-    dtype (``param_bytes`` each); one send and one receive chunk of ``chunk_numel`` elements."""
-    return RuntimeMemory(name="hcompile", sharded_bytes=4 + optimizer_bytes + 4, compute_bytes=2 * param_bytes,
+    shard gradient (4) per parameter over all GPUs; the compute copy's parameter in the compute dtype
+    (``param_bytes``) and its gradient buffer in the accumulation dtype (``grad_bytes``, 4: micro-batches
+    accumulate in fp32 whatever the compute dtype); one send and one receive chunk of ``chunk_numel`` elements."""
+    return RuntimeMemory(name="hcompile", sharded_bytes=4 + optimizer_bytes + 4, compute_bytes=param_bytes + grad_bytes,
                          buffer_bytes=2 * chunk_numel * max(param_bytes, reduce_bytes))
 
 
 HCOMPILE_RUNTIME = hcompile_runtime()
-"""bf16 compute copies, fp32 gradient reduction, Adam, 16M-element chunks."""
+"""bf16 compute copies, fp32 gradient accumulation and reduction, Adam, 16M-element chunks."""
 MEMORY_MODELS = ("hcompile", "paper")
 """``hcompile``: :data:`HCOMPILE_RUNTIME`; ``paper``: the profiled runtime's model."""
 
