@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -243,7 +242,9 @@ class Trainer:
                 _bytes(options.reduce_dtype)))
         if cost_model is not None:
             refuse_context_parallel_model(cost_model)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        # the ranks sharing this machine's memory: as the launcher says (Cluster.local checks LOCAL_WORLD_SIZE),
+        # also when the cluster passed in describes the job otherwise
+        local = min(Cluster.local(self.ctx.world_size).gpus_per_node, self.ctx.world_size)
         usable = usable_memory(self.ctx.device, local)  # collective: the smallest rank's
         held = model_memory(analysed, ANALYSIS_TOKENS)
         model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,

@@ -35,7 +35,7 @@ __all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S",
            "broadcast_object", "agree_errors", "all_reduce", "all_gather", "all_gather_into", "barrier", "send",
            "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown",
            "is_nccl", "uses_nccl", "cuda_device_for", "joined_context", "collective_timeout", "timeout_of",
-           "DEFAULT_WARMUP_TIMEOUT_S", "warmup_timeout_s"]
+           "DEFAULT_WARMUP_TIMEOUT_S", "warmup_timeout_s", "env_seconds"]
 
 ProcessGroup = dist.ProcessGroup
 """A process group (what ``GroupCache.get`` returns; None stands for a group of one rank)."""
@@ -451,19 +451,24 @@ def _set_timeout(group: ProcessGroup, seconds: float) -> None:
         group.set_timeout(timeout)
 
 
-def warmup_timeout_s() -> float:
-    """``HCOMPILE_WARMUP_TIMEOUT_S`` (seconds), else :data:`DEFAULT_WARMUP_TIMEOUT_S`; a value that is not a
-    positive number of seconds is a ValueError naming it."""
-    text = os.environ.get("HCOMPILE_WARMUP_TIMEOUT_S")
+def env_seconds(name: str, default: float) -> float:
+    """Env ``name`` as a number of seconds, else ``default``; a value that is not a positive, finite number of
+    seconds is a ValueError naming it."""
+    text = os.environ.get(name)
     if text is None:
-        return DEFAULT_WARMUP_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise ValueError(f"HCOMPILE_WARMUP_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+        raise ValueError(f"{name}={text!r}: expected a positive number of seconds")
     return value
+
+
+def warmup_timeout_s() -> float:
+    """``HCOMPILE_WARMUP_TIMEOUT_S`` (seconds), else :data:`DEFAULT_WARMUP_TIMEOUT_S` (:func:`env_seconds`)."""
+    return env_seconds("HCOMPILE_WARMUP_TIMEOUT_S", DEFAULT_WARMUP_TIMEOUT_S)
 
 
 @contextlib.contextmanager

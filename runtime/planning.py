@@ -3,7 +3,6 @@ broadcasts the plan so that every rank runs the same one, with when it was plann
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,16 +21,7 @@ DEFAULT_PLAN_TIMEOUT_S = 120.0
 def plan_timeout_s() -> float:
     """The planning timeout of a trainer built now: env ``HCOMPILE_PLAN_TIMEOUT_S``, else the default; a value
     that is not a positive number is a ValueError naming it."""
-    text = os.environ.get("HCOMPILE_PLAN_TIMEOUT_S")
-    if text is None:
-        return DEFAULT_PLAN_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"HCOMPILE_PLAN_TIMEOUT_S={text!r}: expected a positive number of seconds")
-    return value
+    return comm.env_seconds("HCOMPILE_PLAN_TIMEOUT_S", DEFAULT_PLAN_TIMEOUT_S)
 
 
 class PlanTimeout(RuntimeError):

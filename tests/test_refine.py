@@ -74,7 +74,9 @@ def test_allow_keeps_steps_on_strategies_the_runtime_has_compiled(seq_lens):
 
 def test_refinement_closes_part_of_the_gap_at_paper_scale():
     """32B on 64 GPUs, github, 8 steps (seed 0): the refined plans are no slower on any step and closer to
-    the bound on average than the pool's strategies alone (measured: benchmarks.planner_gap)."""
+    the bound on average than the pool's strategies alone (measured: benchmarks.planner_gap). The gain depends on
+    the caps: 0.038 of the bound when the runtime accumulated gradients in the compute dtype (tp4 held 7168
+    tokens), 0.0044 since it accumulates them in fp32 (tp4 holds 2688, so fewer mixes fit)."""
     job = PlanJob(model="llama-32b", gpus=64, dataset="github", global_tokens=200_000, steps=8, seed=0,
                   optimizer_layout="4x(tp16)", policies=("hydraulis",), charge_movement=False)
     after, _, batches = prepare(job)
@@ -83,7 +85,7 @@ def test_refinement_closes_part_of_the_gap_at_paper_scale():
     assert all(plan.est_step_ms <= old + 1e-6 for old, plan in ratios)
     gain = np.mean([old / plan.lower_bound_ms for old, plan in ratios]) - np.mean(
         [plan.est_step_ms / plan.lower_bound_ms for _, plan in ratios])
-    assert gain > 0.01
+    assert gain > 0.003, gain
 
 
 def test_bad_refinement_settings_are_named():
