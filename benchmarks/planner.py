@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.provenance import commit
 from hcompile.tools.simulate import BASELINE, PlanJob, PlanReport, format_report, run_plan_job
-from passes.plan.ir import CostModel, StepPlan
+from passes.plan.ir import CostModel, PlanError, StepPlan
 
 PAPER_POOL_32B_64 = ("4x(tp16)", "1x(tp16)+2x(tp8,pp3)", "1x(tp16)+6x(tp8)", "1x(tp16)+12x(tp4)",
                      "1x(tp8,pp3)+10x(tp4)", "1x(tp8)+14x(tp4)", "8x(tp4,pp2)")
@@ -106,7 +106,8 @@ def _timeline(ax, plan: StepPlan, cost_model: CostModel) -> None:
 
 
 def run(jobs: tuple[PlanJob, ...], out_dir: Path, plot: bool = True) -> list[dict]:
-    """Run each setting, print its table, append JSON lines, draw the plot; returns the JSON records."""
+    """Run each setting, print its table, append JSON lines, draw the plot; returns the JSON records. A setting
+    the planner refuses (a sequence longer than any scheme holds) is a record with its ``refused`` reason."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = {"commit": commit(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     reports, records = [], []
@@ -114,7 +115,12 @@ def run(jobs: tuple[PlanJob, ...], out_dir: Path, plot: bool = True) -> list[dic
         print(f"== {_label(job)}: planning {job.steps} steps x {len(job.policies) or 'every'} policies ...",
               flush=True)
         started = time.perf_counter()
-        report, plans = run_plan_job(job)
+        try:
+            report, plans = run_plan_job(job)
+        except PlanError as exc:  # a setting this memory model cannot plan: said, recorded, the others go on
+            print(f"refused: {exc}\n", flush=True)
+            records.append({**stamp, "config": _label(job), "refused": str(exc)})
+            continue
         wall_s = time.perf_counter() - started
         reports.append((report, plans))
         print(format_report(report))
@@ -127,7 +133,7 @@ def run(jobs: tuple[PlanJob, ...], out_dir: Path, plot: bool = True) -> list[dic
     with open(out_dir / "planner.jsonl", "a") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")
-    if plot:
+    if plot and reports:
         _plot(reports, out_dir / "planner.png")
         print(f"wrote {out_dir / 'planner.jsonl'} and {out_dir / 'planner.png'}")
     return records
