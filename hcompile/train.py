@@ -237,8 +237,9 @@ class Trainer:
         memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
                                   chunk_numel=self.executor.chunk_numel, grad_bytes=_bytes(options.grad_accum_dtype))
         if options.overlap_movement:  # every window's buffers at once (runtime.overlap.overlap_buffer_bytes)
+            cast = self.layout.numel if options.reduce_dtype != options.grad_accum_dtype else 0  # else views
             memory = dataclasses.replace(memory, buffer_bytes=memory.buffer_bytes + overlap_buffer_bytes(
-                self.layout.shard_numel, self.layout.numel, self.ctx.world_size, _bytes(self.param_dtype),
+                self.layout.shard_numel, cast, self.ctx.world_size, _bytes(self.param_dtype),
                 _bytes(options.reduce_dtype)))
         if cost_model is not None:
             refuse_context_parallel_model(cost_model)

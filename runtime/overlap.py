@@ -51,9 +51,10 @@ def overlap_buffer_bytes(shard_numel: int, compute_numel: int, replicas: int, pa
                          reduce_bytes: int) -> int:
     """Bytes of movement buffers a rank holds at most under overlapped movement: its shard served to up to
     ``replicas`` ranks in the compute dtype (the pull's sends) and received from as many in the reduction dtype
-    (the push's receives), plus its compute copy's ``compute_numel`` gradients in the reduction dtype (the
-    push's sends, kept until the step ends). A bound: each replica computes with an element on one rank (an
-    element a tensor-parallel group replicates, such as a norm's weight, is small)."""
+    (the push's receives), plus ``compute_numel`` gradients in the reduction dtype (the push's sends, kept until
+    the step ends: its compute copy's when they are cast; 0 when the gradient buffer is already in the reduction
+    dtype, fp32 both by default, and the sends are views of it). A bound: each replica computes with an element
+    on one rank (an element a tensor-parallel group replicates, such as a norm's weight, is small)."""
     return shard_numel * replicas * (param_bytes + reduce_bytes) + compute_numel * reduce_bytes
 
 
