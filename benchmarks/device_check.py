@@ -293,7 +293,7 @@ def check_profile(workdir: Path, device: str | None, measured_on: str, timeout_s
     it."""
     out = workdir / "profile.json"
     args = ["profile", *(["--device", device] if device else []), "--model", "llama-tiny", "--tp", "1",
-            "--tokens-per-rank", "128", "--repeats", "2", "--gpus", "1", "--out", str(out)]
+            "--tokens-per-rank", "512", "--repeats", "3", "--gpus", "1", "--out", str(out)]
     code, _, stderr = _run(_command(*args), timeout_s)
     if code != 0:
         return [Check(part="d", name="profile written", passed=False,
