@@ -58,8 +58,10 @@ class Cluster:
                 try:
                     gpus_per_node = int(env)
                 except ValueError:
-                    raise PlanError(f"LOCAL_WORLD_SIZE must be a positive integer (ranks per node), got "
-                                    f"{env!r}") from None
+                    gpus_per_node = 0
+                if gpus_per_node < 1 or (world_size > gpus_per_node and world_size % gpus_per_node):
+                    raise PlanError(f"LOCAL_WORLD_SIZE must be a positive integer (ranks per node) that divides "
+                                    f"the job's {world_size} ranks, got {env!r}")
         return cls(world_size=world_size, gpus_per_node=gpus_per_node)
 
     @property

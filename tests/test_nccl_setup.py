@@ -136,18 +136,13 @@ def test_cluster_local_reads_local_world_size(monkeypatch):
     assert (cluster.gpus_per_node, cluster.nodes) == (64, 1)
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("abc", "LOCAL_WORLD_SIZE must be a positive integer \\(ranks per node\\), got 'abc'"),
-    ("8.0", "LOCAL_WORLD_SIZE must be a positive integer \\(ranks per node\\), got '8.0'"),
-    ("", "LOCAL_WORLD_SIZE must be a positive integer \\(ranks per node\\), got ''"),
-    ("0", "gpus_per_node must be a positive integer, got 0"),
-    ("-8", "gpus_per_node must be a positive integer, got -8"),
-    ("7", "world_size 64 is not a whole number of nodes of 7")])
-def test_a_local_world_size_that_is_no_node_size_is_refused_by_value(monkeypatch, value, message):
+@pytest.mark.parametrize("value", ["abc", "8.0", "", "0", "-8", "7"])
+def test_a_local_world_size_that_is_no_node_size_is_refused_by_value(monkeypatch, value):
     """A ``LOCAL_WORLD_SIZE`` that is not a positive integer, or does not divide a job of several nodes, is a
     PlanError naming the value (not a silent one-node cluster)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
-    with pytest.raises(PlanError, match=message):
+    with pytest.raises(PlanError, match=re.escape(f"LOCAL_WORLD_SIZE must be a positive integer (ranks per node) "
+                                                  f"that divides the job's 64 ranks, got {value!r}")):
         Cluster.local(64)
 
 
