@@ -144,54 +144,38 @@ class WindowedMovement:
 
 
 class PullInFlight:
-    """This rank's parameter slices on their way into its buffer: every window posted at once, in ascending
-    order, waited window by window."""
+    """Every window's parameter slices on their way into this rank's buffer."""
 
     def __init__(self, plan: WindowedMovement, layout: FixedLayout, flat: torch.Tensor):
         if flat.numel() != plan.move.numel:
             raise ValueError(f"the buffer has {flat.numel()} elements, this rank computes with {plan.move.numel}")
-        self.plan, self.flat, self.waited, self.wait_s = plan, flat, 0, 0.0
-        self.shard, self.group = layout.shard.detach(), comm.movement_group()
+        self.plan, self.waited, self.wait_s = plan, 0, 0.0
+        shard, group, size = layout.shard.detach(), comm.movement_group(), flat.element_size()
         self._works: list[list[comm.Work]] = []
         self._keep: list[list[torch.Tensor]] = []
-        size = flat.element_size()
-        sent = sum(total(ranges) for g in range(len(plan.windows)) for j, ranges in plan.serves[g] if j != plan.rank)
-        received = sum(count for g in range(len(plan.windows)) for owner, _, count in plan.fills[g]
-                       if owner != plan.rank)
-        self.traffic = Traffic(params_received=received * size, params_sent=sent * size)
-        """Bytes this pull moves (every window)."""
-        self.post_all()
-
-    def _post_next(self) -> None:
-        """Post the next window's sends and receives (and copy what this rank's own shard holds of it)."""
-        plan, flat, shard, g = self.plan, self.flat, self.shard, len(self._works)
-        sends, recvs = [], []
-        for j, ranges in plan.serves[g]:
-            if j == plan.rank:
-                continue
-            for c, n in plan.chunks(total(ranges)):
-                sends.append((gather_ranges(shard, ranges, c, n, flat.dtype), j))
-        with torch.no_grad():
-            for owner, start, count in plan.fills[g]:
-                if owner == plan.rank:
-                    local = next(r for j, r in plan.serves[g] if j == plan.rank)
-                    for pos, off, n in pieces(local, 0, count):
-                        flat[start + pos:start + pos + n].copy_(shard[off:off + n])
+        sent = received = 0
+        for g in range(len(plan.windows)):
+            sends, recvs = [], []
+            for j, ranges in plan.serves[g]:
+                if j == plan.rank:
                     continue
-                for c, n in plan.chunks(count):
-                    recvs.append((flat[start + c:start + c + n], owner))
-        self._works.append(comm.post(sends, recvs, self.group))
-        self._keep.append([t for t, _ in sends])
-
-    @property
-    def posted_all(self) -> bool:
-        """Whether every window has been posted."""
-        return len(self._works) == len(self.plan.windows)
-
-    def post_all(self) -> None:
-        """Post every window not posted yet, without waiting."""
-        while not self.posted_all:
-            self._post_next()
+                for c, n in plan.chunks(total(ranges)):
+                    sends.append((gather_ranges(shard, ranges, c, n, flat.dtype), j))
+                    sent += n * size
+            with torch.no_grad():
+                for owner, start, count in plan.fills[g]:
+                    if owner == plan.rank:
+                        local = next(r for j, r in plan.serves[g] if j == plan.rank)
+                        for pos, off, n in pieces(local, 0, count):
+                            flat[start + pos:start + pos + n].copy_(shard[off:off + n])
+                        continue
+                    for c, n in plan.chunks(count):
+                        recvs.append((flat[start + c:start + c + n], owner))
+                        received += n * size
+            self._works.append(comm.post(sends, recvs, group))
+            self._keep.append([t for t, _ in sends])
+        self.traffic = Traffic(params_received=received, params_sent=sent)
+        """Bytes this pull moves."""
 
     def wait(self, window: int) -> None:
         """Block until every window up to ``window`` is in place (under NCCL: the current stream waits)."""
@@ -205,7 +189,7 @@ class PullInFlight:
 
     def wait_all(self) -> None:
         """Block until the whole pull is done (this rank's sends included)."""
-        self.wait(len(self.plan.windows) - 1)
+        self.wait(len(self._works) - 1)
 
 
 class PushInFlight:
@@ -232,11 +216,12 @@ class PushInFlight:
         self.next = windows - 1
         """The highest window not posted yet (posting goes down)."""
         self.sent = self.received = 0
-        self._in_flight: list[tuple[list[comm.Work], list[torch.Tensor], list[tuple[torch.Tensor, Ranges, int]]]] = []
-        """Per window posted and not yet summed: its works, its send buffers and its (receive buffer, ranges of the
-        shard it holds, its first element in their concatenation)."""
-        self.shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
+        self._works: list[comm.Work] = []
+        self._keep: list[torch.Tensor] = []
+        self._adds: list[tuple[torch.Tensor, Ranges, int]] = []
+        """(receive buffer, ranges of the shard it holds, its first element in their concatenation)."""
         self.group = comm.movement_group()
+        self._post_ready()  # the windows this rank computes nothing in, above its first one
 
     def accumulated(self, name: str) -> None:
         """The step's last gradient of parameter ``name`` is in the buffer: post its window once all are."""
@@ -253,21 +238,12 @@ class PushInFlight:
             self._post(self.next)
             self.next -= 1
 
-    def _sum_oldest(self) -> None:
-        """Wait for the oldest window in flight and add what it received into the shard's gradient."""
-        works, _, adds = self._in_flight.pop(0)
-        for work in works:
-            work.wait()
-        for buf, ranges, c in adds:
-            for pos, off, n in pieces(ranges, c, buf.numel()):
-                self.shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
-
     def _post(self, g: int) -> None:
         plan, grads = self.plan, self.params.grad_flat
         if grads is None:
             raise RuntimeError("no gradients: zero_grads() was not called this step")
         self.params.weigh_grads(*plan.spans[g])
-        sends, recvs, adds = [], [], []
+        sends, recvs = [], []
         for owner, start, count in plan.fills[g]:
             if owner == plan.rank:
                 continue
@@ -280,23 +256,29 @@ class PushInFlight:
             for c, n in plan.chunks(total(ranges)):
                 buf = torch.empty(n, dtype=self.reduce_dtype, device=self.device)
                 recvs.append((buf, j))
-                adds.append((buf, ranges, c))
+                self._adds.append((buf, ranges, c))
                 self.received += n * self.size
-        self._in_flight.append((comm.post(sends, recvs, self.group), [t for t, _ in sends], adds))
+        self._works += comm.post(sends, recvs, self.group)
+        self._keep += [t for t, _ in sends]
 
     def finish(self, layout: FixedLayout) -> Traffic:
         """Post what is left (the backward is over), wait for every window and sum this rank's own gradients
         and the received ones into ``layout.shard.grad`` (fp32)."""
         self.ready = [True] * len(self.ready)
         self._post_ready()
-        plan, grads, shard_grad = self.plan, self.params.grad_flat, self.shard_grad
+        plan, grads = self.plan, self.params.grad_flat
+        shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.shard.device)
         for g in range(len(plan.windows)):
             for owner, start, count in plan.fills[g]:
                 if owner == plan.rank:
                     local = next(r for j, r in plan.serves[g] if j == plan.rank)
                     for pos, off, n in pieces(local, 0, count):
                         shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
-        while self._in_flight:
-            self._sum_oldest()
+        for work in self._works:
+            work.wait()
+        for buf, ranges, c in self._adds:
+            for pos, off, n in pieces(ranges, c, buf.numel()):
+                shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
+        self._works, self._keep, self._adds = [], [], []
         layout.shard.grad = shard_grad
         return Traffic(grads_sent=self.sent, grads_received=self.received)
