@@ -20,13 +20,14 @@ from torch import fx
 from passes.graph.normalize import canonical_graph
 from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import LinearRole, decide_tensor_parallel
-from passes.plan.cost_model import RuntimeMemory
+from passes.plan.cost_model import RuntimeMemory, hcompile_runtime
 from passes.plan.ir import CostModel
 from passes.plan.memory import ModelMemory, scheme_cap
 from runtime import distributed as comm
+from runtime.overlap import overlap_buffer_bytes
 
-__all__ = ["MemoryCapError", "rank_memory_bytes", "step_bytes_per_token", "model_memory", "usable_memory",
-           "bound_caps", "USABLE"]
+__all__ = ["MemoryCapError", "trainer_runtime", "rank_memory_bytes", "step_bytes_per_token", "model_memory",
+           "usable_memory", "bound_caps", "USABLE"]
 
 USABLE = 0.9
 """Fraction of a rank's memory a step may fill (the rest: the framework, fragmentation)."""
@@ -36,6 +37,21 @@ LOSS_COPIES = 3
 
 class MemoryCapError(ValueError):
     """A token cap that this machine cannot hold; the message names the cap and what fits."""
+
+
+def trainer_runtime(param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
+                    chunk_numel: int, overlap_inflight_bytes: int | None = None) -> RuntimeMemory:
+    """What a trainer's rank holds per parameter and in buffers (``passes.plan.cost_model.hcompile_runtime``, Adam)
+    with these dtypes: the movement rounds' send and receive chunk, or with overlapped movement
+    (``overlap_inflight_bytes`` given) the progress thread's bound on its buffers in flight
+    (``runtime.overlap.overlap_buffer_bytes``)."""
+    size = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in (param_dtype, reduce_dtype, grad_dtype)}
+    runtime = hcompile_runtime(param_bytes=size[param_dtype], reduce_bytes=size[reduce_dtype],
+                               chunk_numel=chunk_numel, grad_bytes=size[grad_dtype])
+    if overlap_inflight_bytes is None:
+        return runtime
+    return dataclasses.replace(runtime, buffer_bytes=overlap_buffer_bytes(
+        overlap_inflight_bytes, chunk_numel, size[param_dtype], size[reduce_dtype]))
 
 
 def rank_memory_bytes(device: torch.device, local_ranks: int) -> int:

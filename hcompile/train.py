@@ -30,7 +30,7 @@ from hcompile.cost import (
     token_ranks,
 )
 from hcompile.export import save_pretrained
-from hcompile.memory import bound_caps, model_memory, usable_memory
+from hcompile.memory import bound_caps, model_memory, trainer_runtime, usable_memory
 from hcompile.verify import SELF_CHECK_MAX_TOKENS, prepare_strategy, self_check_cost
 from passes.graph.analyze import token_vocab
 from passes.graph.attention_masks import attention_shape
@@ -39,7 +39,6 @@ from passes.graph.normalize import canonical_graph
 from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import split_dims
 from passes.graph.variant import TokenBuckets
-from passes.plan.cost_model import hcompile_runtime
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
 from passes.plan.placement import assign_ranks, placed_replicas
@@ -54,7 +53,7 @@ from runtime.executor import NON_FINITE_POLICIES, Executor, setting_problem
 from runtime.fixed_layout import FixedLayout, Init, fill_layout
 from runtime.loss import global_pair_count
 from runtime.measure import StepStats, TakeTurns
-from runtime.overlap import overlap_buffer_bytes
+from runtime.overlap import DEFAULT_INFLIGHT_BYTES
 from runtime.planning import PlanService, plan_timeout_s
 from runtime.redistribute import Traffic
 from runtime.topology import Cluster
@@ -131,13 +130,15 @@ class TrainOptions:
     """Move parameters and gradients window by window of the fixed layout, overlapped with compute
     (``runtime.overlap``): each stage is cut into ``movement_pieces`` pieces (each compiled on its own), a piece
     waits for its parameters' windows just before it runs, and each window of gradients goes to its owners as
-    soon as the step's last backward has finished it. Every window's buffers are held at once (nothing waits
-    inside the compute), and the memory model charges them as a bound: the shard served to every rank both ways
-    and the whole model's gradients in the reduction dtype (``runtime.overlap.overlap_buffer_bytes``), so on
-    large models overlap lowers the caps.
+    soon as the step's last backward has finished it. A progress thread per rank posts the messages, with at
+    most ``movement_inflight_bytes`` of buffers in flight, which the memory model charges
+    (``runtime.overlap.overlap_buffer_bytes``).
     Off by default (issue 37 makes it the default once the planner models what it hides)."""
     movement_pieces: int = 4
     """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
+    movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
+    """With ``overlap_movement``: the most bytes of movement buffers (cast sends, gradient receives) a rank keeps
+    in flight; one message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL`` elements) when that is more."""
     non_finite: str = "raise"
     """A step whose loss or gradient norm is NaN or infinite: ``"raise"`` (a ``NonFiniteError`` on every rank
     naming the step, before the optimiser changes anything) or ``"skip"`` (no optimiser step, as mixed-precision
@@ -165,6 +166,9 @@ class TrainOptions:
         if isinstance(self.movement_pieces, bool) or not isinstance(self.movement_pieces, int) \
                 or self.movement_pieces < 1:
             raise ValueError(f"movement_pieces must be a positive integer, got {self.movement_pieces!r}")
+        if isinstance(self.movement_inflight_bytes, bool) or not isinstance(self.movement_inflight_bytes, int) \
+                or self.movement_inflight_bytes < 0:
+            raise ValueError(f"movement_inflight_bytes must be an integer >= 0, got {self.movement_inflight_bytes!r}")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
         if self.policy not in POLICIES:
@@ -232,15 +236,14 @@ class Trainer:
         self.cluster = cluster or Cluster.local(self.ctx.world_size)
         self.executor = Executor(self.ctx, self.cluster, self.layout, self.optimizer, param_dtype=self.param_dtype,
                                  reduce_dtype=options.reduce_dtype, overlap=options.overlap_movement,
+                                 inflight_bytes=options.movement_inflight_bytes,
                                  hooks=[TakeTurns()] if options.replicas_take_turns else [],
                                  non_finite=options.non_finite, grad_dtype=options.grad_accum_dtype)
-        memory = hcompile_runtime(param_bytes=_bytes(self.param_dtype), reduce_bytes=_bytes(options.reduce_dtype),
-                                  chunk_numel=self.executor.chunk_numel, grad_bytes=_bytes(options.grad_accum_dtype))
-        if options.overlap_movement:  # every window's buffers at once (runtime.overlap.overlap_buffer_bytes)
-            cast = self.layout.numel if options.reduce_dtype != options.grad_accum_dtype else 0  # else views
-            memory = dataclasses.replace(memory, buffer_bytes=memory.buffer_bytes + overlap_buffer_bytes(
-                self.layout.shard_numel, cast, self.ctx.world_size, _bytes(self.param_dtype),
-                _bytes(options.reduce_dtype)))
+        memory = trainer_runtime(self.param_dtype, options.reduce_dtype, options.grad_accum_dtype,
+                                 self.executor.chunk_numel,
+                                 options.movement_inflight_bytes if options.overlap_movement else None)
+        self.runtime_memory = memory
+        """What each rank holds per parameter and in movement buffers, as the memory model charges it."""
         if cost_model is not None:
             refuse_context_parallel_model(cost_model)
         # the ranks sharing this machine's memory: as the launcher says (Cluster.local checks LOCAL_WORLD_SIZE),

@@ -29,7 +29,7 @@ from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout
 from runtime.loss import global_pair_count
 from runtime.measure import PhaseHook, StepMeter, StepState, StepStats
-from runtime.overlap import DEFAULT_WINDOWS, PullInFlight, PushInFlight, WindowedMovement, layout_windows
+from runtime.overlap import DEFAULT_INFLIGHT_BYTES, DEFAULT_WINDOWS, MovementInFlight, WindowedMovement, layout_windows
 from runtime.pipeline import Pipeline
 from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
 from runtime.stage_params import StageParams
@@ -103,11 +103,14 @@ class Executor:
     def __init__(self, ctx: DistContext, cluster: Cluster, layout: FixedLayout, optimizer: torch.optim.Optimizer, *,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, hooks: Sequence[PhaseHook] = (), overlap: bool = False,
-                 windows: int = DEFAULT_WINDOWS, non_finite: str = "raise", grad_dtype: torch.dtype = torch.float32):
+                 windows: int = DEFAULT_WINDOWS, inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+                 non_finite: str = "raise", grad_dtype: torch.dtype = torch.float32):
         """``overlap``: move parameters and gradients window by window (``runtime.overlap``), the pull of later
         layers travelling while the forward computes earlier ones and the push of later layers' gradients while
         the backward computes earlier ones, in ``windows`` windows of the fixed layout; otherwise all of the pull
         before the compute and all of the push after it (``runtime.redistribute``), in rounds of pairs.
+        ``inflight_bytes``: with ``overlap``, the most bytes of movement buffers in flight at once
+        (``runtime.overlap.overlap_buffer_bytes``).
         ``non_finite``: ``"raise"`` (a step whose loss or gradient norm is not finite is a ``NonFiniteError``)
         or ``"skip"`` (it changes nothing and is counted in ``non_finite_skips``). ``grad_dtype``: what the
         micro-batches' gradients accumulate in on this rank (``runtime.stage_params``; float32 whatever
@@ -123,6 +126,9 @@ class Executor:
         self.param_dtype, self.reduce_dtype, self.chunk_numel = param_dtype, reduce_dtype, chunk_numel
         self.grad_dtype = grad_dtype
         self.overlap = overlap
+        if isinstance(inflight_bytes, bool) or not isinstance(inflight_bytes, int) or inflight_bytes < 0:
+            raise ValueError(f"inflight_bytes must be an integer >= 0, got {inflight_bytes!r}")
+        self.inflight_bytes = inflight_bytes
         self.windows = layout_windows(layout, windows) if overlap else []
         """The fixed layout's movement windows (overlapped movement only)."""
         self._windowed: dict[Strategy, WindowedMovement] = {}
@@ -180,18 +186,19 @@ class Executor:
                                                            ranks.tp_group(stage, place.cp_rank)))
         move = self.redistribution(plan.strategy, params)
         self._phase("pull", step)
-        pull: PullInFlight | None = None
+        flight: MovementInFlight | None = None
         with record_function("hydraulis.pull_params"):
             if self.overlap:
-                pull = self.windowed(plan.strategy, move).start_pull(self.layout, params.materialize())
-                step.traffic = pull.traffic
+                flat = params.materialize()
+                params.zero_grads()
+                flight = self.windowed(plan.strategy, move).start(
+                    self.layout, flat, None if dry_run else params, self.reduce_dtype, self.inflight_bytes)
+                step.traffic = flight.traffic
             else:
                 step.traffic = move.pull(self.layout, params.materialize())
-        params.zero_grads()
-        push = None if pull is None or dry_run else self._windowed[plan.strategy].start_push(
-            params, self.reduce_dtype, self.layout)
-        flow = _Flow(program, params, pull, push,
-                     self._windowed[plan.strategy].windows_of(params) if pull is not None else {})
+                params.zero_grads()
+        flow = _Flow(program, params, flight,
+                     self._windowed[plan.strategy].windows_of(params) if flight is not None else {})
         self._phase("pulled", step)
         self._phase("compute", step)
         pairs = global_pair_count(plan.seq_lens)
@@ -202,21 +209,28 @@ class Executor:
                     loss_sum = self._run_local(program, micro, pairs, self.ctx.device, flow)
                 else:
                     loss_sum = Pipeline(self.ctx.device, ranks, place).run(program, micro, pairs, flow)
+            if flight is not None:
+                flight.wait_all()
+                step.pull_wait_ms = flight.wait_s * 1e3
+        except BaseException:
+            if flight is not None:
+                flight.abort()
+            raise
         finally:
             params.on_accumulated = None
-        if pull is not None:
-            pull.wait_all()
-            step.pull_wait_ms = pull.wait_s * 1e3
         counts = stage == ranks.scheme.pp - 1 and tp_rank == 0
         step.loss_sum = loss_sum if counts else torch.zeros_like(loss_sum)
         step.tokens_computed = sum(mb.tokens for mb in micro)
         self._phase("computed", step)
         params.release_data()  # backward is done: only the gradients are still needed
-        if not dry_run:
+        if dry_run:
+            if flight is not None:
+                flight.finish_pull()
+        else:
             self._phase("push", step)
             with record_function("hydraulis.push_grads"):
-                if push is not None:
-                    step.traffic += push.finish(self.layout)
+                if flight is not None:
+                    step.traffic += flight.finish(self.layout)
                 else:
                     step.traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
         params.release()
@@ -331,20 +345,20 @@ class Executor:
 class _Flow:
     """Where overlapped movement meets the compute loop: during the first forward the program's gate waits for
     the windows of the parameters it is about to read (a program without a gate gets the whole pull first), and
-    during the last backward every accumulated gradient is reported to the push, which posts each window once
-    it is complete. Without overlapped movement both do nothing (the pull is done and the push comes after the
-    compute)."""
+    during the last backward every accumulated gradient is reported to the movement, whose progress thread sends
+    each window once it is complete. Without overlapped movement both do nothing (the pull is done and the push
+    comes after the compute)."""
 
-    def __init__(self, program: StageProgram, params: StageParams, pull: PullInFlight | None,
-                 push: PushInFlight | None, windows: dict[str, int]):
-        self.program, self.params, self.pull, self.push, self.windows = program, params, pull, push, windows
+    def __init__(self, program: StageProgram, params: StageParams, flight: MovementInFlight | None,
+                 windows: dict[str, int]):
+        self.program, self.params, self.flight, self.windows = program, params, flight, windows
 
     def forward(self, first: bool) -> ContextManager:
-        if self.pull is None or not first:
+        if self.flight is None or not first:
             return contextlib.nullcontext()
         if hasattr(self.program, "gate"):
             return self._gated()
-        self.pull.wait_all()
+        self.flight.wait_all()
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -356,11 +370,11 @@ class _Flow:
             self.program.gate = None
 
     def _wait_for(self, names: Sequence[str]) -> None:
-        """Block until the windows of these parameters are in place (under NCCL: the stream waits)."""
+        """Block until the windows of these parameters are in place."""
         last = max((self.windows[n] for n in names if n in self.windows), default=-1)
         if last >= 0:
-            self.pull.wait(last)
+            self.flight.wait(last)
 
     def backward(self, last: bool) -> None:
-        if last and self.push is not None:
-            self.params.on_accumulated = self.push.accumulated
+        if last and self.flight is not None and self.flight.params is not None:
+            self.params.on_accumulated = self.flight.accumulated

@@ -1,34 +1,45 @@
-"""Parameter and gradient movement overlapped with compute, window by window of the fixed layout.
+"""Parameter and gradient movement overlapped with compute, window by window of the fixed layout, with a bounded
+number of bytes in flight.
 
 Owns :func:`layout_windows` (the fixed layout cut at parameter boundaries into windows of about equal size, the
 same on every rank, none across a boundary of the layout's regions, so that each owner holds at most one range
-of a window), :class:`WindowedMovement` (one strategy's :class:`~runtime.redistribute.Redistribution`
-per window: which segment of this rank's buffer each owner fills, which parts of this rank's shard each rank
-computes with), :class:`PullInFlight` (every window's pull posted at the start of the step, waited window by
-window: the executor waits for a window when the program's gate asks for a parameter in it, before a piece of
-the stage reads it) and :class:`PushInFlight` (a window's gradients posted as soon as the step's last backward
-has accumulated all of them, summed into the owners' shards at the end).
+of a window), :class:`WindowedMovement` (one strategy's :class:`~runtime.redistribute.Redistribution` per window:
+which segment of this rank's buffer each owner fills, which parts of this rank's shard each rank computes with,
+and this rank's messages of a step in their global order) and :class:`MovementInFlight` (one step's pull and
+push, driven by a progress thread of their own).
 
 The pull of window w+1 travels while the forward computes with window w; the push of the last layers'
 gradients travels while the backward computes the first layers'. Messages go on the movement group of their
-own (``runtime.distributed.movement_group``), never between a pipeline's or a TP group's messages. Between
-two ranks messages match in the order both post them: pulls are posted by every rank at the start of the step
-in ascending windows; pushes in descending windows (a sender posts window w only once every higher window is
-posted; owners post every receive at the end in the same order), so every pair agrees, under gloo and NCCL.
-Windows hold at most ``MAX_WINDOW_NUMEL`` elements. No rank waits, inside its compute, for a message another
-rank posts inside its compute: the pull is posted whole before the compute starts and the push is summed only
-after the backward has ended. (Bounding the windows in flight by waiting for the oldest one before posting the
-next deadlocks a pipeline: a stage would wait for a window its next stage posts only once that stage has
-received the activation the first one has not sent yet; ``tests/test_runtime_executor.py`` runs that case.)
-So a rank holds every window's movement buffers at once at the peaks: the pull's send buffers (each served
-element in the compute dtype, once per rank that computes with it) and the push's (the compute copy's gradients
-in the reduction dtype, and each served element once per sender); :func:`overlap_buffer_bytes` is what the
-memory model charges for them.
+own (``runtime.distributed.movement_group``), never between a pipeline's or a TP group's messages.
+
+Order and bound. Every message of a step has a key, the same on both of its ranks: the pull's
+(0, window, sender, receiver, chunk), then the push's (1, -window, sender, receiver, chunk). Each rank's progress
+thread posts its own messages in key order and completes them oldest first, with at most ``inflight_bytes`` of
+buffers (the pull's cast sends, the push's cast sends and its receives) in flight (one message alone when it is
+larger); a push send waits, before it is posted, for the backward to have accumulated its window. No order of
+events can deadlock: the unfinished message of smallest key is the oldest unfinished one of both its ranks, so
+both post it (a gated send once its backward has reached it, and the backward never waits for movement), and it
+completes. Between two ranks, messages are posted in the same (key) order on both, so under NCCL (a send completes
+only when its receive is posted; one pair's messages run in issue order) the pair never waits crosswise. The
+compute waits only for pull windows, in the first forward, and only on the thread, never inside a collective
+another rank posts inside its compute. (The earlier design posted everything up front so that the compute thread
+never waited; bounding it by waiting for the oldest window inside the compute deadlocked a pipeline, whose next
+stage posts only once it has the activation; ``tests/test_runtime_executor.py`` runs that case with the bound at
+one message.) :func:`overlap_buffer_bytes` is what the memory model charges for the buffers.
+
+On GPUs the thread works on a stream of its own: it starts after the compute stream's work so far (the
+optimiser's update of the shard), a push send after the event the backward recorded when its window was
+complete, and it synchronises its stream when it completes a message, so the buffers it frees are free and a
+pull window it reports is in place.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -37,25 +48,24 @@ from runtime.fixed_layout import FixedLayout
 from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges, intersect, pieces, total
 from runtime.stage_params import StageParams
 
-__all__ = ["layout_windows", "WindowedMovement", "PullInFlight", "PushInFlight", "DEFAULT_WINDOWS",
-           "MAX_WINDOW_NUMEL", "overlap_buffer_bytes"]
+__all__ = ["layout_windows", "WindowedMovement", "MovementInFlight", "MovementError", "DEFAULT_WINDOWS",
+           "MAX_WINDOW_NUMEL", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes"]
 
 DEFAULT_WINDOWS = 8
 """Windows the fixed layout is cut into for overlapped movement (more where they would exceed
 ``MAX_WINDOW_NUMEL``)."""
 MAX_WINDOW_NUMEL = 1 << 25
 """Elements of the largest window (one parameter larger than this is a window of its own)."""
+DEFAULT_INFLIGHT_BYTES = 1 << 28
+"""Bytes of movement buffers a rank's progress thread keeps in flight at most (256 MiB)."""
 
 
-def overlap_buffer_bytes(shard_numel: int, compute_numel: int, replicas: int, param_bytes: int,
-                         reduce_bytes: int) -> int:
-    """Bytes of movement buffers a rank holds at most under overlapped movement: its shard served to up to
-    ``replicas`` ranks in the compute dtype (the pull's sends) and received from as many in the reduction dtype
-    (the push's receives), plus ``compute_numel`` gradients in the reduction dtype (the push's sends, kept until
-    the step ends: its compute copy's when they are cast; 0 when the gradient buffer is already in the reduction
-    dtype, fp32 both by default, and the sends are views of it). A bound: each replica computes with an element
-    on one rank (an element a tensor-parallel group replicates, such as a norm's weight, is small)."""
-    return shard_numel * replicas * (param_bytes + reduce_bytes) + compute_numel * reduce_bytes
+def overlap_buffer_bytes(inflight_bytes: int, chunk_numel: int, param_bytes: int, reduce_bytes: int) -> int:
+    """Bytes of movement buffers a rank holds at most under overlapped movement: ``inflight_bytes``, or one
+    message (``chunk_numel`` elements of the wider of the compute and reduction dtypes) when that is more. The
+    pull receives into the compute copy and a push send that is already in the reduction dtype is a view of the
+    gradient buffer: neither holds a buffer of its own."""
+    return max(int(inflight_bytes), int(chunk_numel) * max(param_bytes, reduce_bytes))
 
 
 def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tuple[int, int]]:
@@ -78,6 +88,29 @@ def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tu
             cuts.append(spec.offset)
             sized += 1
     return [(lo, hi) for lo, hi in zip(cuts, [*cuts[1:], layout.numel]) if hi > lo]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Message:
+    """One message of a step's movement on this rank."""
+
+    key: tuple
+    """Its place in the step's order, the same on both of its ranks (module docstring)."""
+    phase: str
+    """``pull`` or ``push``."""
+    send: bool
+    """Whether this rank sends it (else receives it)."""
+    peer: int
+    """The other rank."""
+    window: int
+    """The layout window it belongs to."""
+    at: int
+    """Pull send, push receive: its first element in the concatenation of ``ranges``; pull receive, push send:
+    its first position in this rank's buffer."""
+    count: int
+    """Elements."""
+    ranges: Ranges | None = None
+    """Pull send, push receive: the ranges of this rank's shard (shard coordinates) it covers part of."""
 
 
 class WindowedMovement:
@@ -117,6 +150,25 @@ class WindowedMovement:
                          for a, b in intersect([(flo, fhi)], lo, hi)]
             self.serves.append([(j, r) for j, need in enumerate(move.serves) for sa, sb in mine_here
                                 for r in [intersect(need, sa, sb)] if r])
+        self.pull: list[Message] = []
+        """This rank's messages of a step's pull, in key order."""
+        self.push: list[Message] = []
+        """This rank's messages of a step's push, in key order."""
+        for g in range(len(windows)):
+            for j, ranges in self.serves[g]:
+                if j != self.rank:
+                    for c, n in self.chunks(total(ranges)):
+                        self.pull.append(Message((0, g, self.rank, j, c), "pull", True, j, g, c, n, ranges))
+                        self.push.append(Message((1, -g, j, self.rank, c), "push", False, j, g, c, n, ranges))
+            for owner, start, count in self.fills[g]:
+                if owner != self.rank:
+                    for c, n in self.chunks(count):
+                        self.pull.append(Message((0, g, owner, self.rank, c), "pull", False, owner, g, start + c, n))
+                        self.push.append(Message((1, -g, self.rank, owner, c), "push", True, owner, g, start + c, n))
+        self.pull.sort(key=lambda m: m.key)
+        self.push.sort(key=lambda m: m.key)
+        self.pull_ends = [sum(1 for m in self.pull if m.window <= g) for g in range(len(windows))]
+        """Per window: how many of the pull's messages (a prefix) must be complete for it to be in place."""
 
     def windows_of(self, params: StageParams) -> dict[str, int]:
         """The window of each of ``params``' parameters (by name)."""
@@ -133,152 +185,248 @@ class WindowedMovement:
         """(first, length) of the messages a transfer of ``count`` elements is cut into."""
         return [(c, min(self.chunk, count - c)) for c in range(0, count, self.chunk)]
 
-    def start_pull(self, layout: FixedLayout, flat: torch.Tensor) -> "PullInFlight":
-        """Post every window's pull into ``flat`` (this rank's buffer); copy what this rank's own shard holds."""
-        return PullInFlight(self, layout, flat)
+    def start(self, layout: FixedLayout, flat: torch.Tensor, params: StageParams | None = None,
+              reduce_dtype: torch.dtype = torch.float32,
+              inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> "MovementInFlight":
+        """Start a step's movement: the pull into ``flat`` (this rank's buffer) and, with ``params`` (their
+        gradient buffer zeroed for the step), the push of its gradients as :meth:`MovementInFlight.accumulated`
+        reports them complete."""
+        return MovementInFlight(self, layout, flat, params, reduce_dtype, inflight_bytes)
 
-    def start_push(self, params: StageParams, reduce_dtype: torch.dtype, layout: FixedLayout) -> "PushInFlight":
-        """A push of ``params``' gradient buffer (zeroed for the step), posted window by window as
-        :meth:`PushInFlight.accumulated` reports the step's last gradients."""
-        return PushInFlight(self, params, reduce_dtype, layout)
+
+class MovementError(RuntimeError):
+    """The overlapped movement failed on this rank (a peer gone, a collective timeout): says which message."""
 
 
-class PullInFlight:
-    """Every window's parameter slices on their way into this rank's buffer."""
+class MovementInFlight:
+    """One step's movement on this rank, run by a progress thread (module docstring): the pull, waited window by
+    window by the compute (:meth:`wait`), and the push of the gradient buffer, window by window as the last
+    backward completes them (:meth:`accumulated`), summed into the shard's gradient by :meth:`finish`."""
 
-    def __init__(self, plan: WindowedMovement, layout: FixedLayout, flat: torch.Tensor):
+    def __init__(self, plan: WindowedMovement, layout: FixedLayout, flat: torch.Tensor, params: StageParams | None,
+                 reduce_dtype: torch.dtype, inflight_bytes: int):
         if flat.numel() != plan.move.numel:
             raise ValueError(f"the buffer has {flat.numel()} elements, this rank computes with {plan.move.numel}")
-        self.plan, self.waited, self.wait_s = plan, 0, 0.0
-        shard, group, size = layout.shard.detach(), comm.movement_group(), flat.element_size()
-        self._works: list[list[comm.Work]] = []
-        self._keep: list[list[torch.Tensor]] = []
-        sent = received = 0
-        for g in range(len(plan.windows)):
-            sends, recvs = [], []
-            for j, ranges in plan.serves[g]:
-                if j == plan.rank:
-                    continue
-                for c, n in plan.chunks(total(ranges)):
-                    sends.append((gather_ranges(shard, ranges, c, n, flat.dtype), j))
-                    sent += n * size
-            with torch.no_grad():
+        if isinstance(inflight_bytes, bool) or not isinstance(inflight_bytes, int) or inflight_bytes < 0:
+            raise ValueError(f"inflight_bytes must be an integer >= 0, got {inflight_bytes!r}")
+        self.plan, self.layout, self.flat, self.params = plan, layout, flat, params
+        self.reduce_dtype, self.bound = reduce_dtype, inflight_bytes
+        self.shard = layout.shard.detach()
+        self.device = self.shard.device
+        self.cuda = self.device.type == "cuda"
+        reduce_size = torch.empty((), dtype=reduce_dtype).element_size()
+        self.wait_s, self.peak_bytes = 0.0, 0
+        """Seconds the compute waited for pull windows; most bytes of buffers in flight at once."""
+        with torch.no_grad():  # this rank's own slices: copied at once
+            for g in range(len(plan.windows)):
                 for owner, start, count in plan.fills[g]:
                     if owner == plan.rank:
                         local = next(r for j, r in plan.serves[g] if j == plan.rank)
                         for pos, off, n in pieces(local, 0, count):
-                            flat[start + pos:start + pos + n].copy_(shard[off:off + n])
-                        continue
-                    for c, n in plan.chunks(count):
-                        recvs.append((flat[start + c:start + c + n], owner))
-                        received += n * size
-            self._works.append(comm.post(sends, recvs, group))
-            self._keep.append([t for t, _ in sends])
-        self.traffic = Traffic(params_received=received, params_sent=sent)
-        """Bytes this pull moves."""
+                            flat[start + pos:start + pos + n].copy_(self.shard[off:off + n])
+        size = flat.element_size()
+        self.traffic = Traffic(params_received=sum(m.count for m in plan.pull if not m.send) * size,
+                               params_sent=sum(m.count for m in plan.pull if m.send) * size)
+        """Bytes the pull moves."""
+        self._push_traffic = Traffic()
+        self._messages = list(plan.pull)
+        self._bytes = [0 if not m.send or self._is_view(m.ranges, m.at, m.count) else m.count * size
+                       for m in plan.pull]
+        if params is not None:
+            grads_cast = params.grad_dtype != reduce_dtype
+            self._messages += plan.push
+            self._bytes += [(m.count * reduce_size if grads_cast or not m.send else 0) for m in plan.push]
+            self._push_traffic = Traffic(grads_sent=sum(m.count for m in plan.push if m.send) * reduce_size,
+                                         grads_received=sum(m.count for m in plan.push if not m.send) * reduce_size)
+            self.window_of_param = plan.windows_of(params)
+            self._waiting: list[set[str]] = [set() for _ in plan.windows]
+            """Per window: the parameters whose last gradient has not been accumulated yet."""
+            for name, g in self.window_of_param.items():
+                self._waiting[g].add(name)
+            self._ready = [not w for w in self._waiting]
+            self._ready_events: list[torch.cuda.Event | None] = [None] * len(plan.windows)
+            self._weighed = [False] * len(plan.windows)
+            self.shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
+        self._group = comm.movement_group()  # here: making it is collective, in the order every rank reaches it
+        self._cond = threading.Condition()
+        self._completed = 0
+        self._error: BaseException | None = None
+        self._failed_at: Message | None = None
+        self._stopping = False
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._start_event = torch.cuda.Event() if self.cuda else None
+        if self._start_event is not None:
+            self._start_event.record()  # the shard as the compute stream leaves it (the last update)
+        self._thread = threading.Thread(target=self._run, name=f"hydraulis-movement-rank{plan.rank}", daemon=True)
+        self._thread.start()
+
+    def _is_view(self, ranges: Ranges | None, at: int, count: int) -> bool:
+        return self.shard.dtype == self.flat.dtype and len(list(pieces(ranges or [], at, count))) == 1
+
+    # -- the compute's side ------------------------------------------------------------------------------------
 
     def wait(self, window: int) -> None:
-        """Block until every window up to ``window`` is in place (under NCCL: the current stream waits)."""
+        """Block until every pull window up to ``window`` is in place."""
         started = time.perf_counter()
-        while self.waited <= window:
-            for work in self._works[self.waited]:
-                work.wait()
-            self._keep[self.waited] = []
-            self.waited += 1
+        need = self.plan.pull_ends[window]
+        with self._cond:
+            while self._completed < need and self._error is None:
+                self._cond.wait(timeout=1.0)
+        self._raise_if_failed()
         self.wait_s += time.perf_counter() - started
 
     def wait_all(self) -> None:
-        """Block until the whole pull is done (this rank's sends included)."""
-        self.wait(len(self._works) - 1)
-
-
-class PushInFlight:
-    """This rank's gradient slices on their way to their owners and the other ranks' gradients of its shard on
-    their way to it, window by window. A window is posted as one group of this rank's sends and receives for it
-    once this rank's last backward has accumulated every gradient of it, and only after every higher window:
-    every rank posts the same windows in the same order, each pair's sends matching its receives, so under NCCL
-    (where a send waits on the stream until its receive is posted) no rank's stream waits on a window another
-    rank posts after one it is itself waiting for. Nothing is waited for before the backward has ended
-    (:meth:`finish`): a wait inside it could stand on a window that a rank further down the pipeline posts only
-    after this one has sent it a gradient."""
-
-    def __init__(self, plan: WindowedMovement, params: StageParams, reduce_dtype: torch.dtype, layout: FixedLayout):
-        self.plan, self.params, self.reduce_dtype = plan, params, reduce_dtype
-        self.size = torch.empty((), dtype=reduce_dtype).element_size()
-        self.device = layout.shard.device
-        windows = len(plan.windows)
-        self.waiting: list[set[str]] = [set() for _ in range(windows)]
-        """Per window: the parameters whose last gradient has not been accumulated yet."""
-        self.window_of_param = plan.windows_of(params)
-        for name, g in self.window_of_param.items():
-            self.waiting[g].add(name)
-        self.ready = [not w for w in self.waiting]
-        self.next = windows - 1
-        """The highest window not posted yet (posting goes down)."""
-        self.sent = self.received = 0
-        self._works: list[comm.Work] = []
-        self._keep: list[torch.Tensor] = []
-        self._adds: list[tuple[torch.Tensor, Ranges, int]] = []
-        """(receive buffer, ranges of the shard it holds, its first element in their concatenation)."""
-        self.group = comm.movement_group()
-        self._post_ready()  # the windows this rank computes nothing in, above its first one
+        """Block until the whole pull is in place (this rank's sends of it included)."""
+        if self.plan.windows:
+            self.wait(len(self.plan.windows) - 1)
 
     def accumulated(self, name: str) -> None:
-        """The step's last gradient of parameter ``name`` is in the buffer: post its window once all are."""
-        g = self.window_of_param.get(name)
-        if g is None or self.ready[g]:
+        """The step's last gradient of parameter ``name`` is in the buffer: its window's sends may go once all
+        of its parameters' are."""
+        if self.params is None:
             return
-        self.waiting[g].discard(name)
-        if not self.waiting[g]:
-            self.ready[g] = True
-            self._post_ready()
-
-    def _post_ready(self) -> None:
-        while self.next >= 0 and self.ready[self.next]:
-            self._post(self.next)
-            self.next -= 1
-
-    def _post(self, g: int) -> None:
-        plan, grads = self.plan, self.params.grad_flat
-        if grads is None:
-            raise RuntimeError("no gradients: zero_grads() was not called this step")
-        self.params.weigh_grads(*plan.spans[g])
-        sends, recvs = [], []
-        for owner, start, count in plan.fills[g]:
-            if owner == plan.rank:
-                continue
-            for c, n in plan.chunks(count):
-                sends.append((grads[start + c:start + c + n].to(self.reduce_dtype), owner))
-                self.sent += n * self.size
-        for j, ranges in plan.serves[g]:
-            if j == plan.rank:
-                continue
-            for c, n in plan.chunks(total(ranges)):
-                buf = torch.empty(n, dtype=self.reduce_dtype, device=self.device)
-                recvs.append((buf, j))
-                self._adds.append((buf, ranges, c))
-                self.received += n * self.size
-        self._works += comm.post(sends, recvs, self.group)
-        self._keep += [t for t, _ in sends]
+        g = self.window_of_param.get(name)
+        if g is None or self._ready[g]:
+            return
+        self._waiting[g].discard(name)
+        if not self._waiting[g]:
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()  # the backward's kernels that wrote the window
+            with self._cond:
+                self._ready_events[g] = event
+                self._ready[g] = True
+                self._cond.notify_all()
 
     def finish(self, layout: FixedLayout) -> Traffic:
-        """Post what is left (the backward is over), wait for every window and sum this rank's own gradients
-        and the received ones into ``layout.shard.grad`` (fp32)."""
-        self.ready = [True] * len(self.ready)
-        self._post_ready()
+        """The backward is over: let every window go, wait for the whole movement, sum this rank's own gradients
+        and the received ones into ``layout.shard.grad`` (fp32) and return the push's bytes."""
+        if self.params is None:
+            raise RuntimeError("this movement has no push (started without params)")
+        if self.cuda:
+            final = torch.cuda.Event()
+            final.record()
+        with self._cond:
+            for g, ready in enumerate(self._ready):
+                if not ready:
+                    self._ready[g], self._ready_events[g] = True, final if self.cuda else None
+            self._cond.notify_all()
+        self._join()
         plan, grads = self.plan, self.params.grad_flat
-        shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.shard.device)
         for g in range(len(plan.windows)):
+            if not self._weighed[g]:
+                self.params.weigh_grads(*plan.spans[g])
             for owner, start, count in plan.fills[g]:
                 if owner == plan.rank:
                     local = next(r for j, r in plan.serves[g] if j == plan.rank)
                     for pos, off, n in pieces(local, 0, count):
-                        shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
-        for work in self._works:
-            work.wait()
-        for buf, ranges, c in self._adds:
-            for pos, off, n in pieces(ranges, c, buf.numel()):
-                shard_grad[off:off + n].add_(buf[pos - c:pos - c + n])
-        self._works, self._keep, self._adds = [], [], []
-        layout.shard.grad = shard_grad
-        return Traffic(grads_sent=self.sent, grads_received=self.received)
+                        self.shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
+        layout.shard.grad, self.shard_grad = self.shard_grad, None
+        return self._push_traffic
+
+    def finish_pull(self) -> None:
+        """Wait for a movement started without a push to end (a dry run's)."""
+        self._join()
+
+    def abort(self) -> None:
+        """Stop posting (the step failed): the thread leaves once the message it waits on, if any, is done."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _join(self) -> None:
+        while self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+            if self._error is not None:
+                break
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            m = self._failed_at
+            where = "" if m is None else (f" at the {m.phase}'s {'send to' if m.send else 'receive from'} rank "
+                                          f"{m.peer} (window {m.window}, {m.count} elements)")
+            raise MovementError(f"rank {self.plan.rank}: the overlapped movement failed{where}: "
+                                f"{type(self._error).__name__}: {self._error}") from self._error
+
+    # -- the progress thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self.cuda:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                    self._stream.wait_event(self._start_event)
+                    self._progress()
+            else:
+                self._progress()
+        except BaseException as error:  # reported to the compute's next wait
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+    def _progress(self) -> None:
+        """Post this rank's messages in key order and complete them oldest first, at most ``bound`` bytes of
+        buffers in flight (one message alone when it is larger); a push send only once its window is ready."""
+        group, messages = self._group, self._messages
+        flight: deque[tuple[Message, list[comm.Work], int, Callable[[], None] | None]] = deque()
+        held = i = 0
+        while i < len(messages) or flight:
+            if self._stopping:
+                return
+            if i < len(messages):
+                m, nbytes = messages[i], self._bytes[i]
+                ready = not (m.phase == "push" and m.send) or self._is_ready(m.window)
+                if ready and (not flight or held + nbytes <= self.bound):
+                    self._failed_at = m
+                    works, after = self._post(m, group)
+                    flight.append((m, works, nbytes, after))
+                    held += nbytes
+                    self.peak_bytes = max(self.peak_bytes, held)
+                    i += 1
+                    continue
+                if not ready and not flight:
+                    with self._cond:
+                        while not self._ready[m.window] and not self._stopping:
+                            self._cond.wait()
+                    continue
+            m, works, nbytes, after = flight.popleft()
+            self._failed_at = m
+            for work in works:
+                work.wait()
+            if after is not None:
+                after()
+            if self.cuda:
+                self._stream.synchronize()  # in place, and its buffer free
+            held -= nbytes
+            with self._cond:
+                self._completed += 1
+                self._cond.notify_all()
+        self._failed_at = None
+
+    def _is_ready(self, window: int) -> bool:
+        with self._cond:
+            return self._ready[window]
+
+    def _post(self, m: Message, group: comm.ProcessGroup | None) -> tuple[list[comm.Work], Callable[[], None] | None]:
+        """Post one message; return its works and what to do once it is complete."""
+        if m.phase == "pull":
+            if m.send:
+                return comm.post([(gather_ranges(self.shard, m.ranges, m.at, m.count, self.flat.dtype), m.peer)], [],
+                                 group), None
+            return comm.post([], [(self.flat[m.at:m.at + m.count], m.peer)], group), None
+        if m.send:
+            g = m.window
+            if not self._weighed[g]:
+                if self._ready_events[g] is not None:
+                    self._stream.wait_event(self._ready_events[g])
+                self.params.weigh_grads(*self.plan.spans[g])
+                self._weighed[g] = True
+            piece = self.params.grad_flat[m.at:m.at + m.count].to(self.reduce_dtype)
+            return comm.post([(piece, m.peer)], [], group), None
+        buf = torch.empty(m.count, dtype=self.reduce_dtype, device=self.device)
+
+        def add() -> None:
+            for pos, off, n in pieces(m.ranges, m.at, m.count):
+                self.shard_grad[off:off + n].add_(buf[pos - m.at:pos - m.at + n])
+        return comm.post([], [(buf, m.peer)], group), add

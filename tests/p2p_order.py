@@ -63,9 +63,13 @@ class P2PRecorder:
     """Records this rank's point-to-point operations while installed (``with P2PRecorder() as rec:``); ``ops``."""
 
     def __init__(self) -> None:
+        import threading
+
         self.ops: list[P2POp] = []
         self._batches = 0
         self._saved: dict[str, Callable] = {}
+        self._lock = threading.Lock()
+        """Overlapped movement posts from a progress thread of its own."""
 
     def __enter__(self) -> "P2PRecorder":
         from runtime import distributed as comm
@@ -92,10 +96,12 @@ class P2PRecorder:
         if not sends and not recvs:
             return  # nothing is posted
         name = _group_name(group)
-        for kind, items in (("send", sends), ("recv", recvs)):
-            for tensor, peer in items:
-                self.ops.append(P2POp(kind, int(peer), tuple(tensor.shape), str(tensor.dtype), name, self._batches))
-        self._batches += 1
+        with self._lock:
+            for kind, items in (("send", sends), ("recv", recvs)):
+                for tensor, peer in items:
+                    self.ops.append(P2POp(kind, int(peer), tuple(tensor.shape), str(tensor.dtype), name,
+                                          self._batches))
+            self._batches += 1
 
     def _lone(self, fn: Callable, kind: str) -> Callable:
         def call(tensor: torch.Tensor, peer: int, *args: Any, **kwargs: Any) -> Any:
@@ -220,16 +226,17 @@ class BlockingSends:
     """NCCL's rendezvous emulated on gloo while installed: a send returns (or its batch completes) only once the
     receiving rank has posted the matching receive, announced through a file store; a send still waiting after
     ``timeout_s`` is a ``TimeoutError`` naming it (the two ranks would wait forever under NCCL). Every batch
-    completes before the call returns, as one stream runs it. For the pipeline and the movement rounds, which
-    wait for each batch anyway; not for movement posted ahead of compute (``post``), whose host it would block."""
+    completes before the call returns, as one stream runs it (for overlapped movement, ``post``, that blocks its
+    progress thread, which waits for each message anyway). Messages are counted per group (a group is a
+    communicator of its own under NCCL)."""
 
     def __init__(self, store_path: str, rank: int, world: int, timeout_s: float = 5.0):
         import torch.distributed as dist
 
         self.store = dist.FileStore(store_path, world)
         self.rank, self.timeout = rank, datetime.timedelta(seconds=timeout_s)
-        self.sent: dict[int, int] = defaultdict(int)
-        self.received: dict[int, int] = defaultdict(int)
+        self.sent: dict[tuple[str, int], int] = defaultdict(int)
+        self.received: dict[tuple[str, int], int] = defaultdict(int)
         self.posted: list = []
         """What ``isend`` posted (the works and tensors), kept alive."""
         self._saved: dict[str, Callable] = {}
@@ -264,7 +271,15 @@ class BlockingSends:
             saved["exchange"](sends, recvs)
             self._wait_received([p for _, p in sends])
 
+        def post(sends: Sequence, recvs: Sequence, group: Any = None) -> Any:
+            name = _group_name(group)
+            self._announce([p for _, p in recvs], name)
+            works = saved["post"](sends, recvs) if group is None else saved["post"](sends, recvs, group)
+            self._wait_received([p for _, p in sends], name)
+            return works
+
         comm.isend, comm.send, comm.irecv, comm.recv, comm.exchange = isend, send, irecv, recv, exchange
+        comm.post = post
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -281,17 +296,18 @@ class BlockingSends:
             work.wait()
         self.posted.clear()
 
-    def _announce(self, sources: list[int]) -> None:
+    def _announce(self, sources: list[int], group: str = "default") -> None:
         for src in sources:
-            self.store.set(f"p2p/{src}->{self.rank}/{self.received[src]}", "posted")
-            self.received[src] += 1
+            self.store.set(f"p2p/{group}/{src}->{self.rank}/{self.received[group, src]}", "posted")
+            self.received[group, src] += 1
 
-    def _wait_received(self, destinations: list[int]) -> None:
+    def _wait_received(self, destinations: list[int], group: str = "default") -> None:
         for dst in destinations:
-            key = f"p2p/{self.rank}->{dst}/{self.sent[dst]}"
+            k = self.sent[group, dst]
             try:
-                self.store.wait([key], self.timeout)
+                self.store.wait([f"p2p/{group}/{self.rank}->{dst}/{k}"], self.timeout)
             except RuntimeError as exc:  # the store's timeout (DistStoreError is a RuntimeError)
-                raise TimeoutError(f"rank {self.rank}: send #{self.sent[dst]} to rank {dst} was not received within "
-                                   f"{self.timeout.total_seconds():g} s: under NCCL both would wait forever") from exc
-            self.sent[dst] += 1
+                raise TimeoutError(f"rank {self.rank}: send #{k} to rank {dst} in group {group} was not received "
+                                   f"within {self.timeout.total_seconds():g} s: under NCCL both would wait "
+                                   f"forever") from exc
+            self.sent[group, dst] += 1

@@ -100,3 +100,30 @@ def test_a_cap_no_scheme_holds_is_refused_with_the_figures():
         bound_caps(trainer, held, RUNTIME, USABLE, 8, best + 1)
     with pytest.raises(MemoryCapError, match="this model does not fit"):
         bound_caps(trainer, held, RUNTIME, 10 * GIB, 8, None)
+
+
+def test_overlapped_movement_charges_its_bound_and_7b_still_fits():
+    """Overlapped movement's buffers are the progress thread's bound (256 MiB by default), not every window at once
+    (the shard served to every replica both ways, about 42 GB a rank for 7B on 8 GPUs): 7B on 8 GPUs keeps every
+    scheme, each cap lower by at most the bound's tokens."""
+    from hcompile.memory import trainer_runtime
+    from runtime.overlap import DEFAULT_INFLIGHT_BYTES
+    from runtime.redistribute import DEFAULT_CHUNK_NUMEL
+
+    plain = trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL)
+    overlapped = trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL,
+                                 DEFAULT_INFLIGHT_BYTES)
+    assert plain == RUNTIME and overlapped.buffer_bytes == DEFAULT_INFLIGHT_BYTES == 256 * 2**20
+    assert trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL, 0).buffer_bytes == \
+        DEFAULT_CHUNK_NUMEL * 4  # one message at a time
+    graph = _captured("7b")
+    held = model_memory(graph, ANALYSIS_TOKENS)
+    a800 = hardware_preset("a800-80g")
+    caps = {}
+    for runtime in (plain, overlapped):
+        derived = default_cost_model(graph, "7b", 8, None, runtime, memory=held, memory_bytes=USABLE, hardware=a800)
+        caps[runtime] = {e.scheme: e.max_tokens for e in bound_caps(derived, held, runtime, USABLE, 8, None).entries}
+    assert caps[plain].keys() == caps[overlapped].keys()
+    for scheme, cap in caps[plain].items():
+        bound_tokens = (overlapped.buffer_bytes - plain.buffer_bytes) / held.per_token(scheme)
+        assert cap - bound_tokens - 128 <= caps[overlapped][scheme] <= cap, scheme

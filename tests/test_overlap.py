@@ -1,6 +1,7 @@
 """Overlapped movement (``runtime.overlap``): the layout's windows, and window-by-window pull and push on gloo
 ranks that move exactly what the rounds of ``runtime.redistribute`` move, whatever order each rank finishes
-its windows' gradients in, with messages cut into small chunks."""
+its windows' gradients in, with messages cut into small chunks and the buffers in flight bounded (down to one
+message at a time); both ranks of every message agree on its place in the order."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_a_bad_window_count_is_refused():
             layout_windows(layout, bad)
 
 
-def _move(rank, world, subsets, orders, chunk, windows, dims):
+def _move(rank, world, subsets, orders, chunk, windows, dims, inflight):
     from runtime.overlap import WindowedMovement
     from runtime.redistribute import Redistribution
     from runtime.stage_params import StageParams
@@ -59,30 +60,29 @@ def _move(rank, world, subsets, orders, chunk, windows, dims):
     plan = WindowedMovement(move, layout, layout_windows(layout, windows), chunk)
     flat = params.materialize()
     flat.fill_(-1.0)
-    pull = plan.start_pull(layout, flat)
-    posted = [len(pull._works)]  # windows posted before any is waited
-    pull.wait(0)
-    posted.append(len(pull._works))
-    pull.wait_all()
     params.zero_grads()
+    flight = plan.start(layout, flat, params, torch.float32, inflight_bytes=inflight)
+    flight.wait(0)
+    flight.wait_all()
     with torch.no_grad():
         params.grad_flat.copy_(flat * (rank + 1))  # rank r's gradient: (r + 1) times each element it holds
-    push = plan.start_push(params, torch.float32, layout)
     for name in orders[rank]:  # the last backward finishing parameters in this order; the rest at the end
-        push.accumulated(name)
-    traffic = pull.traffic + push.finish(layout)
-    return (flat.clone(), layout.shard.grad.clone(), traffic, move.local_numel, move.served_numel(), posted,
-            len(plan.windows))
+        flight.accumulated(name)
+    traffic = flight.traffic + flight.finish(layout)
+    keys = {(m.key, m.send, m.peer) for m in plan.pull + plan.push}
+    return (flat.clone(), layout.shard.grad.clone(), traffic, move.local_numel, move.served_numel(),
+            flight.peak_bytes, keys, [m.key for m in plan.pull + plan.push])
 
 
-@pytest.mark.parametrize(("world", "chunk", "windows", "dims"), [(4, 5, 3, {}), (2, 1000, 8, {}), (4, 3, 4, SPLIT)])
-def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, windows, dims):
+@pytest.mark.parametrize(("world", "chunk", "windows", "dims", "inflight"), [
+    (4, 5, 3, {}, 0), (4, 5, 3, {}, 1 << 20), (2, 1000, 8, {}, 1 << 20), (4, 3, 4, SPLIT, 40)])
+def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, windows, dims, inflight):
     g = torch.Generator().manual_seed(world + chunk)
     names = list(SHAPES)
     subsets = [[n for n in names if torch.rand(1, generator=g) < 0.6] or ["p2"] for _ in range(world)]
     orders = [[subset[i] for i in torch.randperm(len(subset), generator=g)[: max(1, len(subset) - 1)]]
               for subset in subsets]
-    results = run_ranks(world, tmp_path, _move, subsets, orders, chunk, windows, dims)
+    results = run_ranks(world, tmp_path, _move, subsets, orders, chunk, windows, dims, inflight)
     values = _values()
     layout = FixedLayout(SHAPES, 0, world, split_dims=dims)
     expected_grad = torch.zeros(layout.numel)
@@ -90,8 +90,8 @@ def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, 
         for n in subset:
             spec = layout.specs[n]
             expected_grad[spec.offset:spec.offset + spec.numel] += spec.stored(values[n]).flatten() * (rank + 1)
-    for rank, (flat, shard_grad, traffic, local, served, posted, count) in enumerate(results):
-        assert posted == [count, count], posted  # the whole pull posted before the compute starts
+    every = [keys for *_, keys, _ in results]
+    for rank, (flat, shard_grad, traffic, local, served, peak, keys, order) in enumerate(results):
         want = torch.cat([layout.specs[n].stored(values[n]).flatten() for n in layout.specs if n in subsets[rank]])
         assert torch.equal(flat, want), f"rank {rank} pulled other elements"
         expected_shard = torch.zeros(layout.shard_numel)
@@ -100,12 +100,19 @@ def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, 
         torch.testing.assert_close(shard_grad, expected_shard)
         assert traffic.params_received == traffic.grads_sent == (want.numel() - local) * 4
         assert traffic.params_sent == traffic.grads_received == served * 4
+        assert order == sorted(order), "a rank posts its messages in key order"
+        for key, send, peer in keys:  # the other rank holds the same message, the other way
+            assert (key, not send, rank) in every[peer], (rank, key)
+        # fp32 compute and reduction: only the push's receives (and the pull's multi-range sends) hold buffers
+        assert 0 < peak <= overlap_buffer_bytes(inflight, chunk, 4, 4), (peak, inflight)
+        if inflight == 0:
+            assert peak <= chunk * 4  # one message at a time
 
 
 def test_windows_are_bounded_in_size_and_what_flies_is_counted(monkeypatch):
     """A model larger than eight windows of ``MAX_WINDOW_NUMEL`` is cut into more windows, none larger than it
-    where the parameters allow; the buffers the memory model charges are the shard served to every replica both
-    ways and the compute copy's gradients once."""
+    where the parameters allow; the buffers the memory model charges are the bound in flight, or one message of
+    the wider dtype when that is more."""
     import runtime.overlap as overlap
 
     monkeypatch.setattr(overlap, "MAX_WINDOW_NUMEL", 20)
@@ -114,4 +121,44 @@ def test_windows_are_bounded_in_size_and_what_flies_is_counted(monkeypatch):
     assert len(windows) > 2
     sizes = {lo: layout.specs[n].numel for n, spec in layout.specs.items() for lo in [spec.offset]}
     assert all(hi - lo <= 20 or hi - lo == sizes[lo] for lo, hi in windows), windows  # or one larger parameter
-    assert overlap_buffer_bytes(1000, 4000, 8, param_bytes=2, reduce_bytes=4) == 1000 * 8 * 6 + 4000 * 4
+    assert overlap_buffer_bytes(1 << 28, 1 << 24, param_bytes=2, reduce_bytes=4) == 1 << 28
+    assert overlap_buffer_bytes(1 << 20, 1 << 24, param_bytes=2, reduce_bytes=4) == 4 << 24
+
+
+def _failing_push(rank, world):
+    """Every rank's push messages fail to post (a link gone): the compute's next wait (for the pull, or the push's
+    ``finish``) raises the progress thread's error as a ``MovementError`` naming the rank and the message,
+    instead of hanging."""
+    from runtime.overlap import MovementError, MovementInFlight, WindowedMovement
+    from runtime.redistribute import Redistribution
+    from runtime.stage_params import StageParams
+
+    layout = FixedLayout.from_tensors(_values(), rank, world)
+    params = StageParams(layout, {n: ParamSlice(name=n, full_shape=SHAPES[n]) for n in SHAPES}, tp=1)
+    move = Redistribution.build(layout, params.ranges, chunk_numel=8)
+    plan = WindowedMovement(move, layout, layout_windows(layout, 3), 8)
+    flat = params.materialize()
+    params.zero_grads()
+    post = MovementInFlight._post
+
+    def broken(self, m, group):
+        if m.phase == "push":
+            raise ConnectionError("link down")
+        return post(self, m, group)
+    MovementInFlight._post = broken
+    try:
+        flight = plan.start(layout, flat, params, torch.float32, inflight_bytes=0)
+        with pytest.raises(MovementError) as failure:  # at the first wait after the failure
+            flight.wait_all()
+            for name in SHAPES:
+                flight.accumulated(name)
+            flight.finish(layout)
+        return str(failure.value)
+    finally:
+        MovementInFlight._post = post
+
+
+def test_a_failed_message_is_a_movement_error_on_the_compute_thread(tmp_path):
+    for rank, message in enumerate(run_ranks(2, tmp_path, _failing_push)):
+        assert message.startswith(f"rank {rank}: the overlapped movement failed at the push's "), message
+        assert "ConnectionError: link down" in message

@@ -158,6 +158,55 @@ def test_pipeline_completes_where_sends_wait_for_their_receives(tmp_path):
     assert activations == [(9, 32), (13, 32), (5, 32), (11, 32), (7, 32)]  # 2 + 3 micro-batches, from stage 0
 
 
+def _emulated_overlap(rank, world, store):
+    """On four ranks whose sends wait for their receives: pipelines of 2 and 4 stages and a heterogeneous step with
+    the movement overlapped, one message in flight at a time (``inflight_bytes=0``), the parameters of a
+    single-process SGD step after each."""
+    from p2p_order import BlockingSends, P2PRecorder
+    from staged_lm import StagedPrograms, init_params
+    from test_runtime_executor import CPU_MODEL, batches
+
+    from passes.plan.ir import Strategy
+    from passes.plan.policies import Planner
+    from runtime.distributed import DistContext
+    from runtime.executor import Executor
+    from runtime.fixed_layout import FixedLayout
+    from runtime.topology import Cluster
+
+    ctx = DistContext(rank=rank, world_size=world, dist_backend="gloo", device=torch.device("cpu"))
+    layout = FixedLayout.from_tensors(init_params(0), rank, world)
+    ex = Executor(ctx, Cluster.local(world), layout, torch.optim.SGD([layout.shard], lr=0.5), overlap=True,
+                  windows=3, inflight_bytes=0)
+    programs = StagedPrograms()
+    planner = Planner(CPU_MODEL, world, [Strategy.parse("4x(tp1)")], fixed=Strategy.parse("4x(tp1)"))
+    out = []
+    with BlockingSends(store, rank, world, timeout_s=60.0), P2PRecorder() as rec:
+        for strategy, batch in zip(["1x(tp1,pp4)", "2x(tp1,pp2)", "1x(tp1,pp2)+2x(tp1)"], batches()):
+            plan = planner.plan([len(s) for s in batch], strategy=Strategy.parse(strategy))
+            ex.run_step(plan, batch, programs.program(plan, rank))
+            out.append(layout.full_state_dict())
+    return out, rec.ops
+
+
+def test_overlapped_movement_completes_where_sends_wait_for_their_receives(tmp_path):
+    from staged_lm import init_params, reference_loss
+    from test_runtime_executor import batches
+
+    results = run_ranks(4, tmp_path, _emulated_overlap, str(tmp_path / "store"), timeout_s=300)
+    assert p2p_problems([ops for _, ops in results]) == []
+    assert any(op.group != "default" for _, ops in results for op in ops)  # the movement group was recorded
+    params = {k: v.clone().requires_grad_(True) for k, v in init_params(0).items()}
+    for step, batch in enumerate(batches()):
+        reference_loss(params, batch).backward()
+        with torch.no_grad():
+            for p in params.values():
+                p -= 0.5 * p.grad
+                p.grad = None
+        for states, _ in results:
+            for name, p in params.items():
+                torch.testing.assert_close(states[step][name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def _every_strategy(rank, world, overlap):
     """Each strategy of the equivalence tests on a trainer of its own, one step, every p2p operation recorded
     (construction, warm-up, the step)."""
