@@ -4,6 +4,8 @@
                                             # 32B/1024 GPUs; table, JSON lines and PNG plots under results/
     python -m benchmarks.planner --smoke    # one small case (what CI runs)
     python -m benchmarks.planner --movement charged   # only with movement charged (default: both, side by side)
+    python -m benchmarks.planner --movement charged --movement-mode overlapped   # charged as the overlapped
+                                            # runtime runs it (default plain; both: side by side)
     python -m benchmarks.planner --long-context --movement charged   # 32B on 64 and 1024 GPUs, long-context data,
                                             # 1M tokens per step: hydraulis with CP against dynamic-cp and
                                             # homogeneous-cp (context parallelism is planned only)
@@ -12,7 +14,8 @@ Step times are the cost model's estimates (measured A800 profiles), not wall clo
 planner's own wall-clock time on this machine. Each setting runs twice: movement ``ignored`` (compute only,
 as the planner was before it counted movement; the movement of the chosen strategies still reported) and
 ``charged`` (every policy's estimate is compute plus the exposed parameter and gradient movement of its
-strategy on the A800 preset's links, and strategies are chosen by that sum).
+plan on the A800 preset's links, and strategies are chosen by that sum), its movement modelled as the plain
+runtime runs it (``--movement-mode plain``, the default), as the overlapped one does (``overlapped``), or both.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def _device() -> str:
 
 
 def _label(job: PlanJob) -> str:
+    mode = "" if job.movement_mode == "plain" else f" ({job.movement_mode})"
     return (f"{job.model}/{job.gpus}gpu/{job.dataset}/{job.global_tokens // 1000}K/"
-            f"movement {'charged' if job.charge_movement else 'ignored'}")
+            f"movement {'charged' if job.charge_movement else 'ignored'}{mode}")
 
 
 def _plot(reports: list[tuple[PlanReport, list[StepPlan]]], path: Path) -> None:
@@ -148,10 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the long-context settings (32B on 64 and 1024 GPUs, context parallelism planned)")
     parser.add_argument("--movement", choices=("both", "charged", "ignored"), default="both",
                         help="run each setting with movement ignored, charged, or both (default)")
+    parser.add_argument("--movement-mode", choices=("plain", "overlapped", "both"), default="plain",
+                        help="the runtime whose movement is charged: plain (default), overlapped, or both")
     args = parser.parse_args(argv)
     modes = {"both": (False, True), "charged": (True,), "ignored": (False,)}[args.movement]
+    runtimes = ("plain", "overlapped") if args.movement_mode == "both" else (args.movement_mode,)
     settings = SMOKE if args.smoke else LONG_CONTEXT if args.long_context else SETTINGS + LONG_CONTEXT
-    jobs = [replace(job, charge_movement=charged) for job in settings for charged in modes]
+    jobs = [replace(job, charge_movement=charged, movement_mode=runtime) for job in settings for charged in modes
+            for runtime in (runtimes if charged else ("plain",))]
     run(jobs, Path(args.out), plot=not args.no_plot)
     return 0
 

@@ -58,6 +58,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="charged: estimates include each strategy's exposed parameter and gradient movement and "
                         "strategies are chosen by it; ignored: compute only, the movement still reported "
                         "(default charged)")
+    p.add_argument("--movement-mode", choices=("plain", "overlapped"), default="plain",
+                   help="the runtime whose movement is charged: plain (pull before the compute, push after it; the "
+                        "default runtime) or overlapped (TrainOptions(overlap_movement=True): what the micro-batches "
+                        "do not cover) (default plain)")
     p.add_argument("--plans-out", help="write one JSON line per (step, policy) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -110,7 +114,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                   policies=tuple(args.policies or ()), context_parallel=args.context_parallel,
                   lengths_file=args.lengths_file,
                   optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
-                  memory_model=args.memory_model, charge_movement=args.movement == "charged")
+                  memory_model=args.memory_model, charge_movement=args.movement == "charged",
+                  movement_mode=args.movement_mode)
     report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)
     if args.json:
         print(json.dumps(report.to_json()))

@@ -19,10 +19,10 @@ def test_json_summary_has_every_field(capsys):
         assert key in out
     assert out["any_schedule_bound_ms_mean"] <= out["lower_bound_ms_mean"]
     assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 38400
-    assert out["movement"] == {"charged": True, "param_bytes": 2, "reduce_bytes": 4,
+    assert out["movement"] == {"charged": True, "mode": "plain", "param_bytes": 2, "reduce_bytes": 4,
                                "floor_ms": out["movement"]["floor_ms"],
                                "links": {"gpus_per_node": 8, "intra_gbps": 200.0, "inter_gbps": 25.0,
-                                         "latency_us": 10.0}}
+                                         "latency_us": 10.0, "overlap_slowdown": 0.05}}
     assert set(out["policies"]) == {"padding", "fixed-packing", "homogeneous-token", "homogeneous-per-step",
                                     "hydraulis"}
     for numbers in out["policies"].values():
@@ -61,6 +61,19 @@ def test_movement_ignored_estimates_compute_only(capsys):
     assert b["est_step_ms_mean"] == pytest.approx(a["est_step_ms_mean"] + a["est_comm_ms_mean"], abs=2e-3)
     assert charged["lower_bound_ms_mean"] == pytest.approx(blind["lower_bound_ms_mean"]
                                                            + charged["movement"]["floor_ms"], abs=2e-3)
+
+
+def test_overlapped_movement_mode_charges_what_the_micro_batches_do_not_cover(capsys):
+    args = ["plan", *FAST, "--json", "--policy", "homogeneous-token"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--movement-mode", "overlapped"]) == 0
+    overlapped = json.loads(capsys.readouterr().out)
+    assert (plain["movement"]["mode"], overlapped["movement"]["mode"]) == ("plain", "overlapped")
+    a, b = plain["policies"]["homogeneous-token"], overlapped["policies"]["homogeneous-token"]
+    assert 0 < b["est_comm_ms_mean"] < a["est_comm_ms_mean"]  # the same strategy, most of its movement hidden
+    assert overlapped["movement"]["floor_ms"] == pytest.approx(plain["movement"]["floor_ms"] / 8, abs=2e-3)
+    assert overlapped["lower_bound_ms_mean"] <= b["est_step_ms_mean"]
 
 
 def _busiest(strategy: str) -> tuple[int, int]:

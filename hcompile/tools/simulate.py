@@ -30,7 +30,7 @@ from passes.plan.diagnose import PARTS, StepDiagnosis, diagnose
 from passes.plan.dynamic_cp import cp_bases, homogeneous_cp_strategy
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
 from passes.plan.links import LINK_PRESETS, link_preset
-from passes.plan.movement import MovementCost, llama_compute_layout, movement_bytes
+from passes.plan.movement import MOVEMENT_MODES, MovementCost, llama_compute_layout, movement_bytes
 from passes.plan.placement import too_long_error, usable_schemes
 from passes.plan.policies import ALL_POLICIES, CP_POLICIES, POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
@@ -76,6 +76,9 @@ class PlanJob:
     charge_movement: bool = True
     """Whether estimates include the exposed parameter and gradient movement and strategies are chosen by it
     (counted either way when the profile gives the model's heads and FFN width)."""
+    movement_mode: str = "plain"
+    """The runtime whose movement is modelled (``passes.plan.movement.MOVEMENT_MODES``): ``plain`` (pull before
+    the compute, push after it) or ``overlapped`` (``TrainOptions(overlap_movement=True)``)."""
     context_parallel: str = "auto"
     """Context-parallel schemes (``passes.plan.context_parallel.CP_MODES``): ``auto`` plans them only when a
     sequence of the data is longer than every scheme without CP holds; ``on``; ``off``."""
@@ -94,6 +97,8 @@ class PlanJob:
                 raise PlanError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
         if self.context_parallel not in CP_MODES:
             raise PlanError(f"unknown context-parallel mode {self.context_parallel!r}; known: {', '.join(CP_MODES)}")
+        if self.movement_mode not in MOVEMENT_MODES:
+            raise PlanError(f"unknown movement mode {self.movement_mode!r}; known: {', '.join(MOVEMENT_MODES)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,7 +199,8 @@ class PlanReport:
             "lower_bound_ms_mean": round(float(np.mean(self.lower_bound_ms)), 3),
             "any_schedule_bound_ms_mean": round(self.any_schedule_bound_ms, 3),
             "movement": None if self.movement is None else {
-                "charged": self.job.charge_movement, "links": self.movement.links.to_dict(),
+                "charged": self.job.charge_movement, "mode": self.movement.mode,
+                "links": self.movement.links.to_dict(),
                 "param_bytes": self.movement.param_bytes, "reduce_bytes": self.movement.reduce_bytes,
                 "floor_ms": round(self.movement_floor_ms, 3)},
             "policies": {
@@ -262,7 +268,7 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
         raise too_long_error(cost_model, job.gpus, dataset.max_len)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
-    movement = movement_cost(profile, job.hardware, cost_model)
+    movement = movement_cost(profile, job.hardware, cost_model, job.movement_mode)
     charged = movement if job.charge_movement else None
     # the pool sees the movement where the exact replay is cheap (it scores thousands of mixes; 50K at 1024 GPUs)
     pool_extra = charged.exposed_ms if charged is not None and job.gpus <= charged.exact_up_to else None
@@ -301,9 +307,10 @@ def _choose_cp_baselines(planner: Planner, longest: int, trial: list[list[int]])
                                                longest)
 
 
-def movement_cost(profile: Profile, hardware: str, cost_model: CostModel) -> MovementCost | None:
-    """The movement of this runtime's defaults on GPUs (bf16 parameters, fp32 gradients) from the LLaMA layout
-    of the profile's shape, on the profile's measured links or else the hardware preset's; None when the
+def movement_cost(profile: Profile, hardware: str, cost_model: CostModel, mode: str = "plain") -> MovementCost | None:
+    """The movement of this runtime's defaults on GPUs (bf16 parameters, fp32 gradients) under the ``mode``
+    runtime, from the LLaMA layout of the profile's shape, on the profile's measured links or else the hardware
+    preset's (``Links.overlap_slowdown``: how much the transfers slow the compute they overlap); None when the
     profile does not give the heads and FFN width."""
     if profile.heads is None or profile.ffn_hidden is None:
         return None
@@ -311,7 +318,7 @@ def movement_cost(profile: Profile, hardware: str, cost_model: CostModel) -> Mov
                                   heads=profile.heads, kv_heads=profile.kv_heads or profile.heads,
                                   vocab=profile.vocab, schemes=list(cost_model.schemes))
     links = profile.links if profile.links is not None else link_preset(hardware)
-    return MovementCost(layout, links, param_bytes=2, reduce_bytes=4)
+    return MovementCost(layout, links, param_bytes=2, reduce_bytes=4, mode=mode, slowdown=links.overlap_slowdown)
 
 
 def _rank_bytes(movement: MovementCost, gpus_per_node: int) -> Callable[[Strategy], tuple[int, int]]:
@@ -337,7 +344,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job, progress)
     policies = job.policies or (POLICIES + (CP_POLICIES if planner.cp_base is not None else ()))
-    movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model)
+    movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model, job.movement_mode)
     moved = None if movement is None else _rank_bytes(movement, planner.cost_model.gpus_per_node)
     plans: list[StepPlan] = []
     lines: list[str] = []
@@ -402,7 +409,8 @@ def format_report(report: PlanReport) -> str:
                      f"also for ranks regrouping within the step, as dynamic-cp's do)")
     if report.movement is not None:
         links = report.movement.links
-        lines.append(f"movement (move ms: the exposed pull and push of the step's strategy) "
+        lines.append(f"movement ({report.movement.mode} runtime; move ms: the exposed pull and push of the step's "
+                     f"plan) "
                      f"{'in' if job.charge_movement else 'NOT in'} the step estimates; links: "
                      f"{links.gpus_per_node} GPUs per node, {links.intra_gbps:g} GB/s inside a node, "
                      f"{links.inter_gbps:g} GB/s between nodes, {links.latency_us:g} us per message")

@@ -212,11 +212,12 @@ def _links(hw: dict, label: str) -> Links | None:
     freed = _finite(hw["freed_gbps"], "freed_gbps", label, positive=True) if "freed_gbps" in hw else None
     warm = _finite(hw["warm_gbps"], "warm_gbps", label, positive=True) if "warm_gbps" in hw else None
     host = _finite(hw["host_gbps"], "host_gbps", label, positive=True) if "host_gbps" in hw else None
+    slowdown = _finite(hw["overlap_slowdown"], "overlap_slowdown", label) if "overlap_slowdown" in hw else 0.0
     return Links(gpus_per_node=_whole(hw["gpus_per_node"], "gpus_per_node", label),
                  intra_gbps=_finite(hw["intra_gbps"], "intra_gbps", label, positive=True),
                  inter_gbps=_finite(hw["inter_gbps"], "inter_gbps", label, positive=True),
                  latency_us=_finite(hw["latency_us"], "latency_us", label),
-                 fresh_gbps=fresh, freed_gbps=freed, warm_gbps=warm, host_gbps=host)
+                 fresh_gbps=fresh, freed_gbps=freed, warm_gbps=warm, host_gbps=host, overlap_slowdown=slowdown)
 
 
 def _whole(value: object, field: str, where: str) -> int:

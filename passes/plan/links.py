@@ -44,6 +44,9 @@ class Links:
     """GB/s that all the transfers running at once share, where the ranks share one host's cores (local CPU
     ranks: a transfer is a copy by the ranks' own threads), each transfer still at most its link's speed;
     None: every link carries its own (GPUs, whose copy engines and ports do not share)."""
+    overlap_slowdown: float = 0.0
+    """How much slower compute runs while transfers run beside it (0.05: 5%), what the overlapped runtime's
+    model stretches a replica's compute by (``passes.plan.movement.MovementCost``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -60,6 +63,9 @@ class Links:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise PlanError(f"{name} must be None or a finite number > 0 (GB/s), got {value!r}")
+        value = self.overlap_slowdown
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise PlanError(f"overlap_slowdown must be a finite number >= 0, got {value!r}")
 
     def fresh_ms(self, nbytes: float) -> float:
         """Milliseconds to write ``nbytes`` of newly allocated memory (0 when not counted)."""
@@ -85,6 +91,8 @@ class Links:
         for name in ("fresh_gbps", "freed_gbps", "warm_gbps", "host_gbps"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.overlap_slowdown:
+            out["overlap_slowdown"] = self.overlap_slowdown
         return out
 
 
@@ -94,16 +102,25 @@ _NDR_GBPS = 400 / 8
 """One 400 Gb/s InfiniBand NDR port per GPU (DGX H100/H200), GB/s one direction."""
 _LATENCY_US = 10.0
 """A message's start-up (assumed: the order of a small NCCL transfer)."""
+_OVERLAP_SLOWDOWN = 0.05
+"""Compute beside transfers (assumed, unmeasured: NCCL's point-to-point kernels hold a few of the GPU's SMs and a
+share of its memory bandwidth while they run; ``python -m benchmarks.device_check`` part (e) measures the
+overlapped step on a GPU)."""
 
 LINK_PRESETS: Mapping[str, Links] = MappingProxyType({
-    "a100-40g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US),
-    "a100-80g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US),
-    "a800-80g": Links(gpus_per_node=8, intra_gbps=200.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US),
-    "h100-80g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US),
-    "h200-141g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US),
+    "a100-40g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US,
+                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+    "a100-80g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US,
+                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+    "a800-80g": Links(gpus_per_node=8, intra_gbps=200.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US,
+                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+    "h100-80g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US,
+                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+    "h200-141g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US,
+                      overlap_slowdown=_OVERLAP_SLOWDOWN),
 })
 """Per GPU preset: NVLink one direction (half the datasheets' bidirectional figure) inside a node of eight,
-one InfiniBand port per GPU between nodes."""
+one InfiniBand port per GPU between nodes, compute 5% slower beside transfers (assumed)."""
 
 
 def link_preset(name: str) -> Links:

@@ -13,8 +13,17 @@ Also owns the time of that movement: :func:`pair_elements` (what each owner send
 :func:`movement_time`, which replays the runtime's rounds (round d: every rank sends to rank + d and receives
 from rank - d, a message starting once both ends have reached the round, in chunks of ``chunk_numel``) over
 the links of :class:`passes.plan.links.Links` (same node or not), and :class:`MovementCost`, what the
-planner charges a strategy: the pull before the compute and the push after it, both exposed (the runtime does
-not overlap them with compute), cached per strategy, with a floor no strategy can beat.
+planner charges a strategy, cached per strategy, with a floor no strategy can beat. Two runtimes are modelled
+(``MOVEMENT_MODES``):
+
+- ``plain`` (``runtime.redistribute``): the pull before the compute and the push after it, both exposed;
+- ``overlapped`` (``runtime.overlap``, ``TrainOptions(overlap_movement=True)``): the layout in ``windows``
+  windows; a rank's pull travels while its stage waits for the pipeline to fill and computes the first
+  micro-batch's forward window by window, its push while the last micro-batch's backward finishes the windows
+  in reverse (:func:`overlapped_exposure`: per rank, the stall of the forward and the tail of the push after
+  the rank's last backward, each window's transfer taking an equal share of the rank's pull or push as the
+  rounds' replay times them); a replica's step is its compute, stretched by ``slowdown`` while its transfers
+  run, plus its ranks' largest stall and tail (a replica that ends early hides its push behind the others).
 """
 
 from __future__ import annotations
@@ -31,10 +40,18 @@ from passes.plan.placement import assign_ranks
 
 __all__ = ["region_shares", "owned_ranges", "compute_scheme", "ComputeLayout", "RankMovement", "movement_bytes",
            "merged", "places", "shared_transfer_ms", "llama_compute_layout", "pair_elements", "MovementTime",
-           "movement_time", "MovementCost", "DEFAULT_CHUNK_NUMEL"]
+           "movement_time", "MovementCost", "DEFAULT_CHUNK_NUMEL", "MOVEMENT_MODES", "OVERLAP_WINDOWS",
+           "FORWARD_SHARE", "overlapped_exposure"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
 """Elements of the runtime's largest single message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL``)."""
+
+MOVEMENT_MODES = ("plain", "overlapped")
+"""The runtimes :class:`MovementCost` models (module docstring)."""
+OVERLAP_WINDOWS = 8
+"""Windows of the overlapped runtime (``runtime.overlap.DEFAULT_WINDOWS``)."""
+FORWARD_SHARE = 1 / 3
+"""The forward's share of a micro-batch's forward and backward time (the backward computes twice the FLOPs)."""
 
 Ranges = tuple[tuple[int, int], ...]
 Place = tuple[ParallelScheme, int, int]
@@ -255,10 +272,36 @@ class MovementTime:
     """Parameters from the owners, until the last rank has its slices."""
     push_ms: float
     """Gradients to the owners, from a common start until the last rank is done."""
+    pull_ranks: tuple[float, ...] = ()
+    """Per rank (placement order), when it has its slices."""
+    push_ranks: tuple[float, ...] = ()
+    """Per rank, when its gradients are sent and its shard's received."""
 
     @property
     def total_ms(self) -> float:
         return self.pull_ms + self.push_ms
+
+
+def overlapped_exposure(pull_ms: np.ndarray, push_ms: np.ndarray, stage: np.ndarray, first_ms: np.ndarray,
+                        last_ms: np.ndarray, windows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the overlapped runtime's (stall, tail) in ms: how much later its forward ends than with its
+    parameters in place, and how long its push runs after its last backward, less what the stages after it
+    leave it (a later stage ends its last backward ``stage`` backward slots before the first stage).
+
+    The rank's pull (``pull_ms``) arrives in ``windows`` equal shares, window g at (g + 1) pull / W; its stage
+    (``stage``) starts the first forward after ``stage`` forward slots of the pipeline filling and computes
+    window g after window g - 1 for first_fwd / W, where first_fwd is ``FORWARD_SHARE`` of ``first_ms`` (the
+    first micro-batch's time on one stage). Its push (``push_ms``) leaves window by window, each share once
+    the last backward (last_bwd = the rest of ``last_ms``) has finished it, in reverse order, one after
+    another. Both are linear in g, so their worst window is the first or the last:
+    stall = max(0, pull / W - s fwd, pull - s fwd - (W - 1) fwd / W);
+    tail = max(0, max(push / W, push - (W - 1) bwd / W) - s bwd)."""
+    w = float(windows)
+    fwd, bwd = FORWARD_SHARE * first_ms, (1 - FORWARD_SHARE) * last_ms
+    waited = stage * fwd
+    stall = np.maximum(0.0, np.maximum(pull_ms / w - waited, pull_ms - waited - (w - 1) * fwd / w))
+    tail = np.maximum(0.0, np.maximum(push_ms / w, push_ms - (w - 1) * bwd / w) - stage * bwd)
+    return stall, tail
 
 
 def _rounds_ms(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes: int, chunk_numel: int) -> float:
@@ -371,31 +414,51 @@ def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, pa
     if links.fresh_gbps is not None or links.warm_gbps is not None:
         pull_memory, push_memory = _buffer_ms(layout, strategy, links, param_bytes, reduce_bytes, chunk_numel)
         pull, push = pull + pull_memory, push + push_memory
-    return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)))
+    return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)),
+                        pull_ranks=tuple(float(x) for x in pull), push_ranks=tuple(float(x) for x in push))
 
 
 class MovementCost:
-    """What the planner charges a strategy for its movement: the pull and the push, both exposed (the runtime
-    runs them before and after the compute), cached per strategy. :meth:`exposed_ms` replays the rounds
-    (O(ranks^2), cached); :meth:`quick_ms` is a bound under it in O(ranks x places); :meth:`ranking_ms`,
-    what a planner ranks many candidates by, is the first up to ``exact_up_to`` ranks and the second above."""
+    """What the planner charges a strategy for its movement, under the ``plain`` or the ``overlapped`` runtime
+    (module docstring), cached per strategy. :meth:`exposed_ms` replays the rounds (O(ranks^2), cached);
+    :meth:`quick_ms` is a bound under it in O(ranks x places); :meth:`ranking_ms`, what a planner ranks many
+    candidates by, is the first up to ``exact_up_to`` ranks and the second above. Overlapped, a plan's charge
+    depends on its micro-batches: :meth:`step_ms`."""
 
     def __init__(self, layout: ComputeLayout, links: Links, *, param_bytes: int = 2, reduce_bytes: int = 4,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, exact_up_to: int = 256):
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, exact_up_to: int = 256, mode: str = "plain",
+                 windows: int = OVERLAP_WINDOWS, slowdown: float = 0.0):
+        """``mode``: ``plain`` or ``overlapped``; ``windows``: the overlapped runtime's windows; ``slowdown``: how
+        much slower compute runs while transfers run beside it (0.05: 5%), a property of the hardware."""
+        if mode not in MOVEMENT_MODES:
+            raise PlanError(f"movement mode must be one of {MOVEMENT_MODES}, got {mode!r}")
+        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+            raise PlanError(f"windows must be a positive integer, got {windows!r}")
+        if not (isinstance(slowdown, (int, float)) and 0 <= slowdown < float("inf")):
+            raise PlanError(f"slowdown must be a finite number >= 0, got {slowdown!r}")
         self.layout, self.links, self.exact_up_to = layout, links, exact_up_to
         self.param_bytes, self.reduce_bytes, self.chunk_numel = param_bytes, reduce_bytes, chunk_numel
+        self.mode, self.windows, self.slowdown = mode, windows, float(slowdown)
         self._times: dict[Strategy, MovementTime] = {}
         self._quick: dict[Strategy, float] = {}
         self._columns: dict[tuple[Place, int], np.ndarray] = {}
+        self._ranks: dict[Strategy, tuple[np.ndarray, list[np.ndarray]]] = {}
 
     def ranking_ms(self, strategy: Strategy) -> float:
         """:meth:`exposed_ms` on up to ``exact_up_to`` ranks (a few ms at 64), :meth:`quick_ms` above (the
-        replay costs about 0.1 s per strategy at 1024 ranks, and a step ranks hundreds)."""
-        return self.exposed_ms(strategy) if strategy.gpus <= self.exact_up_to else self.quick_ms(strategy)
+        replay costs about 0.1 s per strategy at 1024 ranks, and a step ranks hundreds); overlapped, the
+        plain bound over the windows above ``exact_up_to``."""
+        if strategy.gpus <= self.exact_up_to:
+            return self.exposed_ms(strategy)
+        return self._plain_quick_ms(strategy) / (self.windows if self.mode == "overlapped" else 1)
 
     def quick_ms(self, strategy: Strategy) -> float:
-        """A bound under :meth:`exposed_ms`: per phase, the busiest rank's sends or receives one after
-        another at their links' speed, a latency per message, no waiting for the other ends."""
+        """A bound under what any plan of ``strategy`` is charged: plain, per phase, the busiest rank's sends or
+        receives one after another at their links' speed, a latency per message, no waiting for the other ends;
+        overlapped, 0 (a replica that ends early hides its movement)."""
+        return 0.0 if self.mode == "overlapped" else self._plain_quick_ms(strategy)
+
+    def _plain_quick_ms(self, strategy: Strategy) -> float:
         if strategy not in self._quick:
             self._quick[strategy] = self._quick_ms(strategy)
         return self._quick[strategy]
@@ -443,15 +506,60 @@ class MovementCost:
         return self._times[strategy]
 
     def exposed_ms(self, strategy: Strategy) -> float:
-        """Step time the movement of ``strategy`` adds (all of it: nothing overlaps it)."""
-        return self.time(strategy).total_ms
+        """Step time the movement of ``strategy`` adds: plain, all of it; overlapped, the least a plan of it
+        exposes where nothing covers the first window's pull and the last window's push (the busiest rank's
+        pull and push over the windows): what the pool and the ranking score it by, and the charge of plans
+        whose micro-batches the model does not see (``dynamic-cp``'s regrouped slots)."""
+        t = self.time(strategy)
+        if self.mode == "plain":
+            return t.total_ms
+        both = np.asarray(t.pull_ranks) + np.asarray(t.push_ranks)
+        return float(both.max(initial=0.0)) / self.windows
+
+    def step_ms(self, strategy: Strategy, replica_ms: list[float], edges: list[tuple[float, float]]) -> float:
+        """The step of a plan of ``strategy`` with movement: plain, its slowest replica (``replica_ms``, in
+        ``strategy.replicas()`` order) plus :meth:`exposed_ms`; overlapped, per replica its compute, stretched by
+        ``slowdown`` while its transfers run, plus its ranks' largest stall and tail
+        (:func:`overlapped_exposure`, with ``edges``: per replica the time of its first and last micro-batch on
+        one stage), the slowest of them."""
+        if self.mode == "plain" or strategy.gpus < 2:
+            return max(replica_ms, default=0.0) + self.exposed_ms(strategy)
+        stage, members = self._rank_places(strategy)
+        t = self.time(strategy)
+        pull, push = np.asarray(t.pull_ranks), np.asarray(t.push_ranks)
+        first, last = np.zeros(len(pull)), np.zeros(len(pull))
+        for ranks, (f, b) in zip(members, edges):
+            first[ranks], last[ranks] = f, b
+        stall, tail = overlapped_exposure(pull, push, stage, first, last, self.windows)
+        worst = 0.0
+        for ranks, ms in zip(members, replica_ms):
+            busy = float((pull[ranks] + push[ranks]).max(initial=0.0))
+            worst = max(worst, ms + self.slowdown * min(ms, busy) + float(stall[ranks].max(initial=0.0))
+                        + float(tail[ranks].max(initial=0.0)))
+        return worst
+
+    def _rank_places(self, strategy: Strategy) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Per rank its pipeline stage, and per replica (``strategy.replicas()`` order) its ranks."""
+        if strategy not in self._ranks:
+            where = places(strategy, self.links.gpus_per_node)
+            self._ranks[strategy] = (np.array([stage for _, stage, _ in where], dtype=np.float64),
+                                     [np.asarray(r, dtype=np.int64)
+                                      for r in assign_ranks(strategy, self.links.gpus_per_node)])
+        return self._ranks[strategy]
 
     def floor_ms(self, schemes: list[ParallelScheme], gpus: int) -> float:
-        """A floor under :meth:`exposed_ms` for every strategy of ``schemes`` on ``gpus`` GPUs: a rank
-        computes with at least the fewest elements any place of those schemes needs, its own shard holds at
-        most a shard of them, and the rest comes in and its gradient goes out at the fastest link."""
+        """A floor under the movement any plan of a strategy of ``schemes`` on ``gpus`` GPUs adds to the step's
+        compute: a rank computes with at least the fewest elements any place of those schemes needs, its own
+        shard holds at most a shard of them, and the rest comes in and its gradient goes out at the fastest
+        link; overlapped, over the windows (the slowest replica's first stage covers neither its first window's
+        pull nor its last window's push)."""
         if gpus < 2 or not schemes:
             return 0.0
+        if self.mode == "overlapped":  # a first stage's rank of the slowest replica: first and last window
+            return self._plain_floor_ms(schemes, gpus) / self.windows
+        return self._plain_floor_ms(schemes, gpus)
+
+    def _plain_floor_ms(self, schemes: list[ParallelScheme], gpus: int) -> float:
         fewest = min(self.layout.needs((compute_scheme(s), stage, t)).total for s in schemes for stage in range(s.pp)
                      for t in range(s.tp))
         missing = max(0, fewest - self.layout.shard_numel(gpus))

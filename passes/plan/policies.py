@@ -21,9 +21,11 @@ runtime cannot run), given the planner's ``cp_fixed`` / ``cp_base``:
   over the DP x CP slots, ranks regrouping per sequence (``StepPlan.regrouped``).
 
 With a :class:`~passes.plan.movement.MovementCost`, every policy's estimate is its compute makespan plus the
-exposed parameter and gradient movement of its strategy (``StepPlan.est_move_ms``), the strategies are chosen
-and ranked by that sum, and the lower bound adds the movement floor (no strategy moves less); without one,
-estimates and bounds are compute only.
+exposed parameter and gradient movement of its plan (``StepPlan.est_move_ms``): under the plain runtime all of
+the strategy's movement, under the overlapped one what its micro-batches do not cover
+(``MovementCost.step_ms``; dynamic-cp, whose regrouped slots the model does not follow, the least any plan
+exposes); the strategies are chosen and ranked by that sum, and the lower bound adds the movement floor (no
+plan exposes less); without one, estimates and bounds are compute only.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class Planner:
             raise PlanError("policy dynamic-cp needs the planner's cp_base TP scheme; none was given")
         schedule = dynamic_cp_schedule(self.cost_model, self.gpus, self.cp_base, seq_lens)
         layout = Strategy.homogeneous(self.cp_base, self.gpus)  # CP ranks compute with the TP slices
-        move = self.move_ms(layout)
+        move = self.move_ms(layout)  # overlapped: the least, with nothing covering (regrouped slots)
         return _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=schedule.makespan_ms + move,
                            move_ms=move)
 
@@ -258,18 +260,25 @@ class Planner:
     def _two_stage(self, strategy: Strategy, seq_lens: list[int]) -> _Assignment:
         kinds = self._kinds(strategy)
         packed = dispatch(kinds, seq_lens, rounds=self.rounds)
-        return self._assemble(strategy, kinds, [bins for bins, _ in packed], [ms for _, ms in packed])
+        return self._assemble(strategy, kinds, [bins for bins, _ in packed], [ms for _, ms in packed], seq_lens)
 
     def _assemble(self, strategy: Strategy, kinds: list[Kind], bins_per_replica: list[list[list[int]]],
-                  ms_per_replica: list[float]) -> _Assignment:
+                  ms_per_replica: list[float], seq_lens: list[int], padded: bool = False) -> _Assignment:
         ranks = assign_ranks(strategy, self.cost_model.gpus_per_node)
         replicas = tuple(
             ReplicaPlan(scheme=k.scheme, ranks=rk, max_tokens=k.max_tokens, est_ms=ms,
                         micro_batches=tuple(tuple(sorted(b)) for b in bins))
             for k, rk, bins, ms in zip(kinds, ranks, bins_per_replica, ms_per_replica)
         )
-        move = self.move_ms(strategy)
-        return _Assignment(strategy=strategy, replicas=replicas, est_ms=max(ms_per_replica) + move, move_ms=move)
+        if self.movement is None or self.movement.mode == "plain":
+            move = self.move_ms(strategy)
+            return _Assignment(strategy=strategy, replicas=replicas, est_ms=max(ms_per_replica) + move,
+                               move_ms=move)
+        micro = _padded_micro_ms if padded else _micro_ms
+        edges = [(micro(k, seq_lens, bins[0]), micro(k, seq_lens, bins[-1])) if bins else (0.0, 0.0)
+                 for k, bins in zip(kinds, bins_per_replica)]
+        step = self.movement.step_ms(strategy, list(ms_per_replica), edges)
+        return _Assignment(strategy=strategy, replicas=replicas, est_ms=step, move_ms=step - max(ms_per_replica))
 
     def _baseline(self, policy: str, seq_lens: list[int]) -> _Assignment:
         strategy = self.fixed
@@ -280,14 +289,15 @@ class Planner:
         kind = kinds[0]
         if policy == "homogeneous-token":
             bins = _token_balanced(seq_lens, len(kinds), kind.max_tokens)
-            return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins])
+            return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins], seq_lens)
         if policy == "fixed-packing":
             micro = first_fit(seq_lens, list(range(len(seq_lens))), kind.max_tokens)
             bins = [micro[r::len(kinds)] for r in range(len(kinds))]
-            return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins])
+            return self._assemble(strategy, kinds, bins, [_replica_ms(kind, seq_lens, b) for b in bins], seq_lens)
         micro = _padded_in_order(seq_lens, kind.max_tokens)
         bins = [micro[r::len(kinds)] for r in range(len(kinds))]
-        return self._assemble(strategy, kinds, bins, [_padded_replica_ms(kind, seq_lens, b) for b in bins])
+        return self._assemble(strategy, kinds, bins, [_padded_replica_ms(kind, seq_lens, b) for b in bins], seq_lens,
+                              padded=True)
 
 
 def _micro_ms(kind: Kind, seq_lens: list[int], micro: list[int]) -> float:
@@ -298,11 +308,14 @@ def _replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]])
     return CostModel.replica_ms(kind.scheme, [_micro_ms(kind, seq_lens, m) for m in micro_batches])
 
 
-def _padded_replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]]) -> float:
+def _padded_micro_ms(kind: Kind, seq_lens: list[int], micro: list[int]) -> float:
     """Without varlen attention every member pays for the micro-batch's longest length."""
-    longest = [max(seq_lens[i] for i in m) for m in micro_batches]
-    times = [kind.micro_ms(len(m) * kind.seq_ms(s), len(m) * s) for m, s in zip(micro_batches, longest)]
-    return CostModel.replica_ms(kind.scheme, times)
+    longest = max(seq_lens[i] for i in micro)
+    return kind.micro_ms(len(micro) * kind.seq_ms(longest), len(micro) * longest)
+
+
+def _padded_replica_ms(kind: Kind, seq_lens: list[int], micro_batches: list[list[int]]) -> float:
+    return CostModel.replica_ms(kind.scheme, [_padded_micro_ms(kind, seq_lens, m) for m in micro_batches])
 
 
 def _token_balanced(seq_lens: list[int], replicas: int, cap: int) -> list[list[list[int]]]:

@@ -1,0 +1,104 @@
+"""The planner's model of the overlapped runtime (``passes.plan.movement``, ``mode="overlapped"``): the closed
+form of a rank's stall and tail against an event-by-event replay of the runtime's schedule (windows arriving
+one after another while the first forward consumes them, gradients leaving window by window as the last
+backward finishes them); plans charged per replica, never above the plain runtime's charge, never under the
+step's lower bound; bad settings refused by name."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_movement_time import _cost_model, _llama
+
+from passes.plan.ir import PlanError, Strategy
+from passes.plan.links import Links
+from passes.plan.movement import FORWARD_SHARE, MovementCost, overlapped_exposure
+from passes.plan.policies import POLICIES, Planner, homogeneous_strategies
+
+
+def _replay(pull: float, push: float, stage: int, first: float, last: float, windows: int) -> tuple[float, float]:
+    """Event by event: window g of the pull lands at (g + 1) pull / W; the stage's first forward starts once the
+    pipeline has filled (``stage`` forward slots) and computes window g once it has landed and window g - 1 is
+    done; the last backward (ending at 0) finishes window W - 1 first, each window's gradients leave once it
+    is finished and the previous window's have left. Stall: how much later the forward ends; tail: how long
+    the push runs after the stage's last backward, less the ``stage`` backward slots later stages leave it."""
+    fwd, bwd = FORWARD_SHARE * first, (1 - FORWARD_SHARE) * last
+    start = end = stage * fwd
+    for g in range(windows):
+        landed = (g + 1) * pull / windows
+        end = max(end, landed) + fwd / windows
+    stall = end - (start + fwd)
+    sent = -bwd
+    for k in range(windows):
+        finished = -bwd + (k + 1) * bwd / windows
+        sent = max(sent, finished) + push / windows
+    return stall, max(0.0, sent - stage * bwd)
+
+
+def test_the_closed_form_is_the_event_replay():
+    rng = random.Random(3)
+    for _ in range(500):
+        windows = rng.choice([1, 2, 3, 8, 16])
+        case = [rng.choice([0.0, rng.uniform(0, 50)]) for _ in range(2)] + [rng.randrange(4)] + \
+            [rng.uniform(0.1, 80) for _ in range(2)]
+        stall, tail = overlapped_exposure(*(np.array([x], dtype=float) for x in case), windows)
+        want = _replay(*case, windows)
+        assert (float(stall[0]), float(tail[0])) == pytest.approx(want, abs=1e-9), (case, windows)
+    # nothing covers one window on a first stage; a long enough forward and backward cover the rest
+    stall, tail = overlapped_exposure(np.array([8.0]), np.array([16.0]), np.array([0.0]), np.array([300.0]),
+                                      np.array([300.0]), 8)
+    assert (float(stall[0]), float(tail[0])) == (1.0, 2.0)
+
+
+def test_plans_are_charged_per_replica_under_the_plain_charge_and_over_the_bound():
+    model = _cost_model()
+    layout = _llama(list(model.schemes))
+    links = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)
+    plain = MovementCost(layout, links)
+    overlapped = MovementCost(layout, links, mode="overlapped", slowdown=0.0)
+    pool = homogeneous_strategies(model, 8) + [Strategy.parse("1x(tp4)+2x(tp2)")]
+    fixed = Strategy.parse("2x(tp4)")
+    batch = [700, 30, 64, 200, 90, 1000, 12, 300, 45, 500]
+    blind = Planner(model, 8, pool, fixed)
+    charged = Planner(model, 8, pool, fixed, movement=overlapped)
+    assert 0 < charged.movement_floor_ms == pytest.approx(Planner(model, 8, pool, fixed, movement=plain)
+                                                         .movement_floor_ms / 8)
+    for policy in POLICIES:
+        got = charged.plan(batch, policy)
+        compute = max(r.est_ms for r in got.replicas)
+        assert got.est_step_ms == pytest.approx(compute + got.est_move_ms)
+        assert 0 <= got.est_move_ms <= plain.exposed_ms(got.strategy) + 1e-9, policy
+        assert got.lower_bound_ms == pytest.approx(blind.plan(batch, policy).lower_bound_ms
+                                                   + charged.movement_floor_ms)
+        assert got.lower_bound_ms <= got.est_step_ms + 1e-9, policy
+        # the charge is the slowest replica's compute plus its ranks' stall and tail, as step_ms computes it
+        edges = [(r.est_ms, r.est_ms) for r in got.replicas]  # any cover: the charge stays within its bounds
+        assert overlapped.step_ms(got.strategy, [r.est_ms for r in got.replicas], edges) >= compute
+
+
+def test_slowdown_stretches_the_compute_beside_transfers():
+    model = _cost_model()
+    layout = _llama(list(model.schemes))
+    links = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)
+    strategy = Strategy.parse("1x(tp4)+2x(tp2)")
+    still = MovementCost(layout, links, mode="overlapped")
+    slowed = MovementCost(layout, links, mode="overlapped", slowdown=0.1)
+    replica_ms, edges = [100.0, 90.0, 80.0], [(10.0, 10.0)] * 3
+    busy = max(a + b for a, b in zip(still.time(strategy).pull_ranks, still.time(strategy).push_ranks))
+    gained = slowed.step_ms(strategy, replica_ms, edges) - still.step_ms(strategy, replica_ms, edges)
+    assert 0 < gained <= 0.1 * min(100.0, busy) + 1e-9
+
+
+def test_bad_settings_are_refused_by_name():
+    layout = _llama(list(_cost_model().schemes))
+    links = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)
+    with pytest.raises(PlanError, match="movement mode must be one of .* got 'async'"):
+        MovementCost(layout, links, mode="async")
+    with pytest.raises(PlanError, match="windows must be a positive integer, got 0"):
+        MovementCost(layout, links, mode="overlapped", windows=0)
+    with pytest.raises(PlanError, match="slowdown must be a finite number >= 0, got -0.1"):
+        MovementCost(layout, links, mode="overlapped", slowdown=-0.1)
+    with pytest.raises(PlanError, match="overlap_slowdown must be a finite number >= 0, got nan"):
+        Links(gpus_per_node=4, intra_gbps=1, inter_gbps=1, latency_us=1, overlap_slowdown=float("nan"))
