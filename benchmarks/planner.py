@@ -55,6 +55,7 @@ def _device() -> str:
 
 def _label(job: PlanJob) -> str:
     mode = "" if job.movement_mode == "plain" else f" ({job.movement_mode})"
+    mode += "" if job.reduce_dtype == "fp32" else f" ({job.reduce_dtype} gradients)"
     return (f"{job.model}/{job.gpus}gpu/{job.dataset}/{job.global_tokens // 1000}K/"
             f"movement {'charged' if job.charge_movement else 'ignored'}{mode}")
 
@@ -154,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="run each setting with movement ignored, charged, or both (default)")
     parser.add_argument("--movement-mode", choices=("plain", "overlapped", "both"), default="plain",
                         help="the runtime whose movement is charged: plain (default), overlapped, or both")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the dtype gradients travel in (default fp32)")
     args = parser.parse_args(argv)
     modes = {"both": (False, True), "charged": (True,), "ignored": (False,)}[args.movement]
     runtimes = ("plain", "overlapped") if args.movement_mode == "both" else (args.movement_mode,)
     settings = SMOKE if args.smoke else LONG_CONTEXT if args.long_context else SETTINGS + LONG_CONTEXT
-    jobs = [replace(job, charge_movement=charged, movement_mode=runtime) for job in settings for charged in modes
-            for runtime in (runtimes if charged else ("plain",))]
+    jobs = [replace(job, charge_movement=charged, movement_mode=runtime, reduce_dtype=args.reduce_dtype)
+            for job in settings for charged in modes for runtime in (runtimes if charged else ("plain",))]
     run(jobs, Path(args.out), plot=not args.no_plot)
     return 0
 

@@ -62,6 +62,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="the runtime whose movement is charged: plain (pull before the compute, push after it; the "
                         "default runtime) or overlapped (TrainOptions(overlap_movement=True): what the micro-batches "
                         "do not cover) (default plain)")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the dtype gradients travel to their owners in, TrainOptions(reduce_dtype=) (default fp32)")
     p.add_argument("--plans-out", help="write one JSON line per (step, policy) to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -115,7 +117,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                   lengths_file=args.lengths_file,
                   optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
                   memory_model=args.memory_model, charge_movement=args.movement == "charged",
-                  movement_mode=args.movement_mode)
+                  movement_mode=args.movement_mode, reduce_dtype=args.reduce_dtype)
     report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)
     if args.json:
         print(json.dumps(report.to_json()))

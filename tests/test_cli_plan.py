@@ -76,6 +76,17 @@ def test_overlapped_movement_mode_charges_what_the_micro_batches_do_not_cover(ca
     assert overlapped["lower_bound_ms_mean"] <= b["est_step_ms_mean"]
 
 
+def test_bf16_gradients_halve_the_push_in_the_charge(capsys):
+    args = ["plan", *FAST, "--json", "--policy", "homogeneous-token"]
+    assert main(args) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert main([*args, "--reduce-dtype", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert (fp32["movement"]["reduce_bytes"], bf16["movement"]["reduce_bytes"]) == (4, 2)
+    a, b = fp32["policies"]["homogeneous-token"], bf16["policies"]["homogeneous-token"]
+    assert b["bytes_per_rank_max"] < a["bytes_per_rank_max"] and b["est_comm_ms_mean"] < a["est_comm_ms_mean"]
+
+
 def _busiest(strategy: str) -> tuple[int, int]:
     """The busiest and the median rank's bytes per step of llama-32b on 64 A800s under ``strategy``, counted
     independently: the profile's shape laid out as hcompile's LLaMA, the owners' equal shards, bf16 parameters

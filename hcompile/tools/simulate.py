@@ -76,6 +76,9 @@ class PlanJob:
     charge_movement: bool = True
     """Whether estimates include the exposed parameter and gradient movement and strategies are chosen by it
     (counted either way when the profile gives the model's heads and FFN width)."""
+    reduce_dtype: str = "fp32"
+    """The dtype gradients travel to their owners in (``TrainOptions.reduce_dtype``): ``fp32`` or ``bf16`` (half
+    the push's bytes, as Megatron's default)."""
     movement_mode: str = "plain"
     """The runtime whose movement is modelled (``passes.plan.movement.MOVEMENT_MODES``): ``plain`` (pull before
     the compute, push after it) or ``overlapped`` (``TrainOptions(overlap_movement=True)``)."""
@@ -97,6 +100,8 @@ class PlanJob:
                 raise PlanError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
         if self.context_parallel not in CP_MODES:
             raise PlanError(f"unknown context-parallel mode {self.context_parallel!r}; known: {', '.join(CP_MODES)}")
+        if self.reduce_dtype not in REDUCE_BYTES:
+            raise PlanError(f"unknown reduce dtype {self.reduce_dtype!r}; known: {', '.join(REDUCE_BYTES)}")
         if self.movement_mode not in MOVEMENT_MODES:
             raise PlanError(f"unknown movement mode {self.movement_mode!r}; known: {', '.join(MOVEMENT_MODES)}")
 
@@ -268,7 +273,7 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
         raise too_long_error(cost_model, job.gpus, dataset.max_len)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
-    movement = movement_cost(profile, job.hardware, cost_model, job.movement_mode)
+    movement = movement_cost(profile, job.hardware, cost_model, job.movement_mode, REDUCE_BYTES[job.reduce_dtype])
     charged = movement if job.charge_movement else None
     # the pool sees the movement where the exact replay is cheap (it scores thousands of mixes; 50K at 1024 GPUs)
     pool_extra = charged.exposed_ms if charged is not None and job.gpus <= charged.exact_up_to else None
@@ -280,6 +285,9 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
         _choose_cp_baselines(planner, dataset.max_len, batches[:_CP_TRIAL_BATCHES])
     return planner, dataset, batches
 
+
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes of a gradient on the wire per ``PlanJob.reduce_dtype``."""
 
 _CP_TRIAL_BATCHES = 3
 """Batches the CP baselines' TP is chosen on."""
@@ -307,18 +315,20 @@ def _choose_cp_baselines(planner: Planner, longest: int, trial: list[list[int]])
                                                longest)
 
 
-def movement_cost(profile: Profile, hardware: str, cost_model: CostModel, mode: str = "plain") -> MovementCost | None:
-    """The movement of this runtime's defaults on GPUs (bf16 parameters, fp32 gradients) under the ``mode``
-    runtime, from the LLaMA layout of the profile's shape, on the profile's measured links or else the hardware
-    preset's (``Links.overlap_slowdown``: how much the transfers slow the compute they overlap); None when the
-    profile does not give the heads and FFN width."""
+def movement_cost(profile: Profile, hardware: str, cost_model: CostModel, mode: str = "plain",
+                  reduce_bytes: int = 4) -> MovementCost | None:
+    """The movement of this runtime on GPUs (bf16 parameters, gradients in ``reduce_bytes``: fp32 by default)
+    under the ``mode`` runtime, from the LLaMA layout of the profile's shape, on the profile's measured links or
+    else the hardware preset's (``Links.overlap_slowdown``: how much the transfers slow the compute they
+    overlap); None when the profile does not give the heads and FFN width."""
     if profile.heads is None or profile.ffn_hidden is None:
         return None
     layout = llama_compute_layout(layers=profile.layers, hidden=profile.hidden, ffn_hidden=profile.ffn_hidden,
                                   heads=profile.heads, kv_heads=profile.kv_heads or profile.heads,
                                   vocab=profile.vocab, schemes=list(cost_model.schemes))
     links = profile.links if profile.links is not None else link_preset(hardware)
-    return MovementCost(layout, links, param_bytes=2, reduce_bytes=4, mode=mode, slowdown=links.overlap_slowdown)
+    return MovementCost(layout, links, param_bytes=2, reduce_bytes=reduce_bytes, mode=mode,
+                        slowdown=links.overlap_slowdown)
 
 
 def _rank_bytes(movement: MovementCost, gpus_per_node: int) -> Callable[[Strategy], tuple[int, int]]:
@@ -344,7 +354,8 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job, progress)
     policies = job.policies or (POLICIES + (CP_POLICIES if planner.cp_base is not None else ()))
-    movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model, job.movement_mode)
+    movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model, job.movement_mode,
+                                                 REDUCE_BYTES[job.reduce_dtype])
     moved = None if movement is None else _rank_bytes(movement, planner.cost_model.gpus_per_node)
     plans: list[StepPlan] = []
     lines: list[str] = []
