@@ -40,18 +40,19 @@ class MemoryCapError(ValueError):
 
 
 def trainer_runtime(param_dtype: torch.dtype, reduce_dtype: torch.dtype, grad_dtype: torch.dtype,
-                    chunk_numel: int, overlap_inflight_bytes: int | None = None) -> RuntimeMemory:
+                    chunk_numel: int, overlap_inflight_bytes: int | None = None,
+                    overlap_unit_numel: int = 0) -> RuntimeMemory:
     """What a trainer's rank holds per parameter and in buffers (``passes.plan.cost_model.hcompile_runtime``, Adam)
     with these dtypes: the movement rounds' send and receive chunk, or with overlapped movement
-    (``overlap_inflight_bytes`` given) the progress thread's bound on its buffers in flight
-    (``runtime.overlap.overlap_buffer_bytes``)."""
+    (``overlap_inflight_bytes`` given) the progress thread's bound on its buffers in flight, or its largest unit
+    of ``overlap_unit_numel`` elements when that is more (``runtime.overlap.overlap_buffer_bytes``)."""
     size = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in (param_dtype, reduce_dtype, grad_dtype)}
     runtime = hcompile_runtime(param_bytes=size[param_dtype], reduce_bytes=size[reduce_dtype],
                                chunk_numel=chunk_numel, grad_bytes=size[grad_dtype])
     if overlap_inflight_bytes is None:
         return runtime
     return dataclasses.replace(runtime, buffer_bytes=overlap_buffer_bytes(
-        overlap_inflight_bytes, chunk_numel, size[param_dtype], size[reduce_dtype]))
+        overlap_inflight_bytes, overlap_unit_numel, size[param_dtype], size[reduce_dtype]))
 
 
 def rank_memory_bytes(device: torch.device, local_ranks: int) -> int:

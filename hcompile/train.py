@@ -53,7 +53,7 @@ from runtime.executor import NON_FINITE_POLICIES, Executor, setting_problem
 from runtime.fixed_layout import FixedLayout, Init, fill_layout
 from runtime.loss import global_pair_count
 from runtime.measure import StepStats, TakeTurns
-from runtime.overlap import DEFAULT_INFLIGHT_BYTES
+from runtime.overlap import DEFAULT_INFLIGHT_BYTES, largest_unit_numel
 from runtime.planning import PlanService, plan_timeout_s
 from runtime.redistribute import Traffic
 from runtime.topology import Cluster
@@ -131,14 +131,15 @@ class TrainOptions:
     (``runtime.overlap``): each stage is cut into ``movement_pieces`` pieces (each compiled on its own), a piece
     waits for its parameters' windows just before it runs, and each window of gradients goes to its owners as
     soon as the step's last backward has finished it. A progress thread per rank posts the messages, with at
-    most ``movement_inflight_bytes`` of buffers in flight, which the memory model charges
-    (``runtime.overlap.overlap_buffer_bytes``).
+    most ``movement_inflight_bytes`` of buffers in flight (or one window's messages with one peer, when that is
+    more), which the memory model charges (``runtime.overlap.overlap_buffer_bytes``).
     Off by default (issue 37 makes it the default once the planner models what it hides)."""
     movement_pieces: int = 4
     """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
     movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     """With ``overlap_movement``: the most bytes of movement buffers (cast sends, gradient receives) a rank keeps
-    in flight; one message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL`` elements) when that is more."""
+    in flight; its messages with one peer in one window (``runtime.overlap.largest_unit_numel``) when that is
+    more."""
     non_finite: str = "raise"
     """A step whose loss or gradient norm is NaN or infinite: ``"raise"`` (a ``NonFiniteError`` on every rank
     naming the step, before the optimiser changes anything) or ``"skip"`` (no optimiser step, as mixed-precision
@@ -241,7 +242,8 @@ class Trainer:
                                  non_finite=options.non_finite, grad_dtype=options.grad_accum_dtype)
         memory = trainer_runtime(self.param_dtype, options.reduce_dtype, options.grad_accum_dtype,
                                  self.executor.chunk_numel,
-                                 options.movement_inflight_bytes if options.overlap_movement else None)
+                                 options.movement_inflight_bytes if options.overlap_movement else None,
+                                 largest_unit_numel(self.layout, self.executor.windows))
         self.runtime_memory = memory
         """What each rank holds per parameter and in movement buffers, as the memory model charges it."""
         if cost_model is not None:

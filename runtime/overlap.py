@@ -12,20 +12,23 @@ The pull of window w+1 travels while the forward computes with window w; the pus
 gradients travels while the backward computes the first layers'. Messages go on the movement group of their
 own (``runtime.distributed.movement_group``), never between a pipeline's or a TP group's messages.
 
-Order and bound. Every message of a step has a key, the same on both of its ranks: the pull's
-(0, window, sender, receiver, chunk), then the push's (1, -window, sender, receiver, chunk). Each rank's progress
-thread posts its own messages in key order and completes them oldest first, with at most ``inflight_bytes`` of
-buffers (the pull's cast sends, the push's cast sends and its receives) in flight (one message alone when it is
-larger); a push send waits, before it is posted, for the backward to have accumulated its window. No order of
-events can deadlock: the unfinished message of smallest key is the oldest unfinished one of both its ranks, so
-both post it (a gated send once its backward has reached it, and the backward never waits for movement), and it
-completes. Between two ranks, messages are posted in the same (key) order on both, so under NCCL (a send completes
-only when its receive is posted; one pair's messages run in issue order) the pair never waits crosswise. The
-compute waits only for pull windows, in the first forward, and only on the thread, never inside a collective
-another rank posts inside its compute. (The earlier design posted everything up front so that the compute thread
-never waited; bounding it by waiting for the oldest window inside the compute deadlocked a pipeline, whose next
-stage posts only once it has the activation; ``tests/test_runtime_executor.py`` runs that case with the bound at
-one message.) :func:`overlap_buffer_bytes` is what the memory model charges for the buffers.
+Order and bound. A rank's messages with one peer in one window of one phase form a unit, never split (the peer's
+unit with it holds the same messages, the other way). Every rank posts its units in one order: the pull's windows
+ascending, then the push's descending, and in a window the peers ascending, so that the units of every pair
+follow one global order ((phase, window, lower rank, higher rank)). Its progress thread posts consecutive units
+of one window as one batch (``runtime.distributed.post``: one NCCL group) and completes the batches oldest first,
+with at most ``inflight_bytes`` of buffers (the pull's cast sends, the push's cast sends and its receives) in
+flight, one unit alone when it is larger (:func:`largest_unit_numel`); a push window waits, before it is posted,
+for the backward to have accumulated every parameter of it. No order of events can deadlock: a batch waits only
+for its peers' batches holding the same units; the current batch of every rank ends at a unit of the global
+order, and the rank whose current batch ends lowest has every peer's matching unit in a current or earlier
+batch, so it completes (a push batch once its backward has reached it, and the backward never waits for
+movement). Batches pair up between every two ranks (a unit lies in one batch on each side). The compute waits
+only for pull windows, in the first forward, and only on the thread, never inside a collective another rank
+posts inside its compute. (The earlier design posted everything up front so that the compute thread never
+waited; bounding it by waiting for the oldest window inside the compute deadlocked a pipeline, whose next stage
+posts only once it has the activation; ``tests/test_runtime_executor.py`` runs that case with the bound at 0,
+one unit at a time.) :func:`overlap_buffer_bytes` is what the memory model charges for the buffers.
 
 On GPUs the thread works on a stream of its own: it starts after the compute stream's work so far (the
 optimiser's update of the shard), a push send after the event the backward recorded when its window was
@@ -48,8 +51,9 @@ from runtime.fixed_layout import FixedLayout
 from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges, intersect, pieces, total
 from runtime.stage_params import StageParams
 
-__all__ = ["layout_windows", "WindowedMovement", "MovementInFlight", "MovementError", "DEFAULT_WINDOWS",
-           "MAX_WINDOW_NUMEL", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes"]
+__all__ = ["layout_windows", "WindowedMovement", "Message", "Unit", "MovementInFlight", "MovementError",
+           "DEFAULT_WINDOWS", "MAX_WINDOW_NUMEL", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes",
+           "largest_unit_numel"]
 
 DEFAULT_WINDOWS = 8
 """Windows the fixed layout is cut into for overlapped movement (more where they would exceed
@@ -60,12 +64,12 @@ DEFAULT_INFLIGHT_BYTES = 1 << 28
 """Bytes of movement buffers a rank's progress thread keeps in flight at most (256 MiB)."""
 
 
-def overlap_buffer_bytes(inflight_bytes: int, chunk_numel: int, param_bytes: int, reduce_bytes: int) -> int:
-    """Bytes of movement buffers a rank holds at most under overlapped movement: ``inflight_bytes``, or one
-    message (``chunk_numel`` elements of the wider of the compute and reduction dtypes) when that is more. The
-    pull receives into the compute copy and a push send that is already in the reduction dtype is a view of the
-    gradient buffer: neither holds a buffer of its own."""
-    return max(int(inflight_bytes), int(chunk_numel) * max(param_bytes, reduce_bytes))
+def overlap_buffer_bytes(inflight_bytes: int, unit_numel: int, param_bytes: int, reduce_bytes: int) -> int:
+    """Bytes of movement buffers a rank holds at most under overlapped movement: ``inflight_bytes``, or one unit
+    (``unit_numel`` elements, :func:`largest_unit_numel`, each way in the wider of the compute and reduction
+    dtypes) when that is more. The pull receives into the compute copy and a push send that is already in the
+    reduction dtype is a view of the gradient buffer: neither holds a buffer of its own."""
+    return max(int(inflight_bytes), 2 * int(unit_numel) * max(param_bytes, reduce_bytes))
 
 
 def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tuple[int, int]]:
@@ -113,6 +117,28 @@ class Message:
     """Pull send, push receive: the ranges of this rank's shard (shard coordinates) it covers part of."""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Unit:
+    """Every message between this rank and one peer in one window of one phase: never split between batches."""
+
+    phase: str
+    window: int
+    peer: int
+    messages: tuple[Message, ...]
+
+    @property
+    def key(self) -> tuple:
+        """Its place in the order every rank posts in (module docstring); the peer's unit has the same key."""
+        first = self.messages[0].key
+        return (first[0], first[1], min(first[2], first[3]), max(first[2], first[3]))
+
+
+def largest_unit_numel(layout: FixedLayout, windows: list[tuple[int, int]]) -> int:
+    """A bound on the elements a unit moves in one direction: one window, at most one shard of it (a rank owns
+    one range of a window, and what it needs from an owner lies in that owner's range)."""
+    return min(max((hi - lo for lo, hi in windows), default=0), layout.shard_numel)
+
+
 class WindowedMovement:
     """The movement plan of one strategy on this rank, by window."""
 
@@ -151,9 +177,9 @@ class WindowedMovement:
             self.serves.append([(j, r) for j, need in enumerate(move.serves) for sa, sb in mine_here
                                 for r in [intersect(need, sa, sb)] if r])
         self.pull: list[Message] = []
-        """This rank's messages of a step's pull, in key order."""
+        """This rank's messages of a step's pull."""
         self.push: list[Message] = []
-        """This rank's messages of a step's push, in key order."""
+        """This rank's messages of a step's push."""
         for g in range(len(windows)):
             for j, ranges in self.serves[g]:
                 if j != self.rank:
@@ -165,10 +191,21 @@ class WindowedMovement:
                     for c, n in self.chunks(count):
                         self.pull.append(Message((0, g, owner, self.rank, c), "pull", False, owner, g, start + c, n))
                         self.push.append(Message((1, -g, self.rank, owner, c), "push", True, owner, g, start + c, n))
-        self.pull.sort(key=lambda m: m.key)
-        self.push.sort(key=lambda m: m.key)
-        self.pull_ends = [sum(1 for m in self.pull if m.window <= g) for g in range(len(windows))]
-        """Per window: how many of the pull's messages (a prefix) must be complete for it to be in place."""
+        self.units: list[Unit] = []
+        """This rank's units in posting order (module docstring): the pull's windows ascending, then the push's
+        descending; in a window, the peers ascending."""
+        for phase, messages, order in (("pull", self.pull, range(len(windows))),
+                                       ("push", self.push, range(len(windows) - 1, -1, -1))):
+            by: dict[tuple[int, int], list[Message]] = {}
+            for m in sorted(messages, key=lambda m: m.key):
+                by.setdefault((m.window, m.peer), []).append(m)
+            for g in order:
+                for (w, peer), unit in sorted(by.items()):
+                    if w == g:
+                        self.units.append(Unit(phase, g, peer, tuple(unit)))
+        self.pull_ends = [sum(1 for u in self.units if u.phase == "pull" and u.window <= g)
+                          for g in range(len(windows))]
+        """Per window: how many of the pull's units (a prefix) must be complete for it to be in place."""
 
     def windows_of(self, params: StageParams) -> dict[str, int]:
         """The window of each of ``params``' parameters (by name)."""
@@ -229,13 +266,13 @@ class MovementInFlight:
                                params_sent=sum(m.count for m in plan.pull if m.send) * size)
         """Bytes the pull moves."""
         self._push_traffic = Traffic()
-        self._messages = list(plan.pull)
-        self._bytes = [0 if not m.send or self._is_view(m.ranges, m.at, m.count) else m.count * size
-                       for m in plan.pull]
+        self._units = [u for u in plan.units if u.phase == "pull" or params is not None]
+        grads_cast = params is not None and params.grad_dtype != reduce_dtype
+        self._unit_bytes = [sum(0 if not m.send or self._is_view(m.ranges, m.at, m.count) else m.count * size
+                                for m in u.messages) if u.phase == "pull" else
+                            sum(m.count * reduce_size if grads_cast or not m.send else 0 for m in u.messages)
+                            for u in self._units]
         if params is not None:
-            grads_cast = params.grad_dtype != reduce_dtype
-            self._messages += plan.push
-            self._bytes += [(m.count * reduce_size if grads_cast or not m.send else 0) for m in plan.push]
             self._push_traffic = Traffic(grads_sent=sum(m.count for m in plan.push if m.send) * reduce_size,
                                          grads_received=sum(m.count for m in plan.push if not m.send) * reduce_size)
             self.window_of_param = plan.windows_of(params)
@@ -251,7 +288,7 @@ class MovementInFlight:
         self._cond = threading.Condition()
         self._completed = 0
         self._error: BaseException | None = None
-        self._failed_at: Message | None = None
+        self._failed_at: list[Unit] = []
         self._stopping = False
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._start_event = torch.cuda.Event() if self.cuda else None
@@ -344,9 +381,9 @@ class MovementInFlight:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            m = self._failed_at
-            where = "" if m is None else (f" at the {m.phase}'s {'send to' if m.send else 'receive from'} rank "
-                                          f"{m.peer} (window {m.window}, {m.count} elements)")
+            units = self._failed_at
+            where = "" if not units else (f" at the {units[0].phase}'s messages with rank(s) "
+                                          f"{sorted({u.peer for u in units})} (window {units[0].window})")
             raise MovementError(f"rank {self.plan.rank}: the overlapped movement failed{where}: "
                                 f"{type(self._error).__name__}: {self._error}") from self._error
 
@@ -366,67 +403,85 @@ class MovementInFlight:
                 self._cond.notify_all()
 
     def _progress(self) -> None:
-        """Post this rank's messages in key order and complete them oldest first, at most ``bound`` bytes of
-        buffers in flight (one message alone when it is larger); a push send only once its window is ready."""
-        group, messages = self._group, self._messages
-        flight: deque[tuple[Message, list[comm.Work], int, Callable[[], None] | None]] = deque()
+        """Post this rank's units in order, consecutive units of one window as one batch, and complete the
+        batches oldest first, at most ``bound`` bytes of buffers in flight (one unit alone when it is larger); a
+        push window only once the backward has finished it."""
+        group, units = self._group, self._units
+        flight: deque[tuple[list[Unit], list[comm.Work], int, list[Callable[[], None]]]] = deque()
         held = i = 0
-        while i < len(messages) or flight:
+        while i < len(units) or flight:
             if self._stopping:
                 return
-            if i < len(messages):
-                m, nbytes = messages[i], self._bytes[i]
-                ready = not (m.phase == "push" and m.send) or self._is_ready(m.window)
-                if ready and (not flight or held + nbytes <= self.bound):
-                    self._failed_at = m
-                    works, after = self._post(m, group)
-                    flight.append((m, works, nbytes, after))
-                    held += nbytes
-                    self.peak_bytes = max(self.peak_bytes, held)
-                    i += 1
-                    continue
-                if not ready and not flight:
+            if i < len(units):
+                first = units[i]
+                if first.phase == "pull" or self._is_ready(first.window):
+                    batch, nbytes = [], 0
+                    while i < len(units) and (units[i].phase, units[i].window) == (first.phase, first.window):
+                        more = self._unit_bytes[i]
+                        if (batch or flight) and held + nbytes + more > self.bound:
+                            break
+                        batch.append(units[i])
+                        nbytes += more
+                        i += 1
+                    if batch:
+                        self._failed_at = batch
+                        works, afters = self._post_batch(batch, group)
+                        flight.append((batch, works, nbytes, afters))
+                        held += nbytes
+                        self.peak_bytes = max(self.peak_bytes, held)
+                        continue
+                elif not flight:
                     with self._cond:
-                        while not self._ready[m.window] and not self._stopping:
+                        while not self._ready[first.window] and not self._stopping:
                             self._cond.wait()
                     continue
-            m, works, nbytes, after = flight.popleft()
-            self._failed_at = m
+            batch, works, nbytes, afters = flight.popleft()
+            self._failed_at = batch
             for work in works:
                 work.wait()
-            if after is not None:
+            for after in afters:
                 after()
             if self.cuda:
-                self._stream.synchronize()  # in place, and its buffer free
+                self._stream.synchronize()  # in place, and its buffers free
             held -= nbytes
             with self._cond:
-                self._completed += 1
+                self._completed += sum(1 for u in batch if u.phase == "pull")
                 self._cond.notify_all()
-        self._failed_at = None
+        self._failed_at = []
 
     def _is_ready(self, window: int) -> bool:
         with self._cond:
             return self._ready[window]
 
-    def _post(self, m: Message, group: comm.ProcessGroup | None) -> tuple[list[comm.Work], Callable[[], None] | None]:
-        """Post one message; return its works and what to do once it is complete."""
-        if m.phase == "pull":
-            if m.send:
-                return comm.post([(gather_ranges(self.shard, m.ranges, m.at, m.count, self.flat.dtype), m.peer)], [],
-                                 group), None
-            return comm.post([], [(self.flat[m.at:m.at + m.count], m.peer)], group), None
-        if m.send:
-            g = m.window
-            if not self._weighed[g]:
-                if self._ready_events[g] is not None:
-                    self._stream.wait_event(self._ready_events[g])
-                self.params.weigh_grads(*self.plan.spans[g])
-                self._weighed[g] = True
-            piece = self.params.grad_flat[m.at:m.at + m.count].to(self.reduce_dtype)
-            return comm.post([(piece, m.peer)], [], group), None
-        buf = torch.empty(m.count, dtype=self.reduce_dtype, device=self.device)
+    def _post_batch(self, batch: list[Unit], group: comm.ProcessGroup | None
+                    ) -> tuple[list[comm.Work], list[Callable[[], None]]]:
+        """Post the messages of these units (one window, one phase) as one batch; return its works and what to do
+        once it is complete."""
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        afters: list[Callable[[], None]] = []
+        g = batch[0].window
+        if batch[0].phase == "push" and not self._weighed[g]:
+            if self._ready_events[g] is not None:
+                self._stream.wait_event(self._ready_events[g])
+            self.params.weigh_grads(*self.plan.spans[g])
+            self._weighed[g] = True
+        for unit in batch:
+            for m in unit.messages:
+                if m.phase == "pull" and m.send:
+                    sends.append((gather_ranges(self.shard, m.ranges, m.at, m.count, self.flat.dtype), m.peer))
+                elif m.phase == "pull":
+                    recvs.append((self.flat[m.at:m.at + m.count], m.peer))
+                elif m.send:
+                    sends.append((self.params.grad_flat[m.at:m.at + m.count].to(self.reduce_dtype), m.peer))
+                else:
+                    buf = torch.empty(m.count, dtype=self.reduce_dtype, device=self.device)
+                    recvs.append((buf, m.peer))
+                    afters.append(self._adder(buf, m))
+        return comm.post(sends, recvs, group), afters
 
+    def _adder(self, buf: torch.Tensor, m: Message) -> Callable[[], None]:
         def add() -> None:
             for pos, off, n in pieces(m.ranges, m.at, m.count):
                 self.shard_grad[off:off + n].add_(buf[pos - m.at:pos - m.at + n])
-        return comm.post([], [(buf, m.peer)], group), add
+        return add

@@ -103,19 +103,22 @@ def test_a_cap_no_scheme_holds_is_refused_with_the_figures():
 
 
 def test_overlapped_movement_charges_its_bound_and_7b_still_fits():
-    """Overlapped movement's buffers are the progress thread's bound (256 MiB by default), not every window at once
-    (the shard served to every replica both ways, about 42 GB a rank for 7B on 8 GPUs): 7B on 8 GPUs keeps every
-    scheme, each cap lower by at most the bound's tokens."""
+    """Overlapped movement's buffers are the progress thread's bound (256 MiB by default) or one unit (a window's
+    messages with one peer, each way), not every window at once (the shard served to every replica both ways,
+    about 42 GB a rank for 7B on 8 GPUs): 7B on 8 GPUs keeps every scheme, each cap lower by at most the
+    buffers' tokens."""
     from hcompile.memory import trainer_runtime
     from runtime.overlap import DEFAULT_INFLIGHT_BYTES
     from runtime.redistribute import DEFAULT_CHUNK_NUMEL
 
     plain = trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL)
+    window = 4096 * 32000  # LLaMA 7B's largest window: its embedding, one parameter
     overlapped = trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL,
-                                 DEFAULT_INFLIGHT_BYTES)
-    assert plain == RUNTIME and overlapped.buffer_bytes == DEFAULT_INFLIGHT_BYTES == 256 * 2**20
-    assert trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL, 0).buffer_bytes == \
-        DEFAULT_CHUNK_NUMEL * 4  # one message at a time
+                                 DEFAULT_INFLIGHT_BYTES, window)
+    assert plain == RUNTIME and DEFAULT_INFLIGHT_BYTES == 256 * 2**20
+    assert overlapped.buffer_bytes == 2 * window * 4  # one unit each way in fp32 (1.05 GB), more than the bound
+    assert trainer_runtime(torch.bfloat16, torch.float32, torch.float32, DEFAULT_CHUNK_NUMEL, DEFAULT_INFLIGHT_BYTES,
+                           1 << 20).buffer_bytes == DEFAULT_INFLIGHT_BYTES
     graph = _captured("7b")
     held = model_memory(graph, ANALYSIS_TOKENS)
     a800 = hardware_preset("a800-80g")

@@ -11,7 +11,7 @@ from dist_util import run_ranks
 
 from passes.graph.tensor_parallel import ParamSlice
 from runtime.fixed_layout import FixedLayout
-from runtime.overlap import layout_windows, overlap_buffer_bytes
+from runtime.overlap import largest_unit_numel, layout_windows, overlap_buffer_bytes
 
 SHAPES = {"p0": (13,), "p1": (4, 5), "p2": (31,), "p3": (7, 3), "p4": (17,)}
 SPLIT = {"p1": 1, "p3": 0}
@@ -69,9 +69,9 @@ def _move(rank, world, subsets, orders, chunk, windows, dims, inflight):
     for name in orders[rank]:  # the last backward finishing parameters in this order; the rest at the end
         flight.accumulated(name)
     traffic = flight.traffic + flight.finish(layout)
-    keys = {(m.key, m.send, m.peer) for m in plan.pull + plan.push}
+    units = {(u.key, u.peer): sorted((m.key, m.send) for m in u.messages) for u in plan.units}
     return (flat.clone(), layout.shard.grad.clone(), traffic, move.local_numel, move.served_numel(),
-            flight.peak_bytes, keys, [m.key for m in plan.pull + plan.push])
+            flight.peak_bytes, units, [u.key for u in plan.units], largest_unit_numel(layout, plan.windows))
 
 
 @pytest.mark.parametrize(("world", "chunk", "windows", "dims", "inflight"), [
@@ -90,8 +90,8 @@ def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, 
         for n in subset:
             spec = layout.specs[n]
             expected_grad[spec.offset:spec.offset + spec.numel] += spec.stored(values[n]).flatten() * (rank + 1)
-    every = [keys for *_, keys, _ in results]
-    for rank, (flat, shard_grad, traffic, local, served, peak, keys, order) in enumerate(results):
+    every = [units for *_, units, _, _ in results]
+    for rank, (flat, shard_grad, traffic, local, served, peak, units, order, unit_numel) in enumerate(results):
         want = torch.cat([layout.specs[n].stored(values[n]).flatten() for n in layout.specs if n in subsets[rank]])
         assert torch.equal(flat, want), f"rank {rank} pulled other elements"
         expected_shard = torch.zeros(layout.shard_numel)
@@ -100,19 +100,19 @@ def test_windowed_pull_and_push_move_exactly_the_slices(tmp_path, world, chunk, 
         torch.testing.assert_close(shard_grad, expected_shard)
         assert traffic.params_received == traffic.grads_sent == (want.numel() - local) * 4
         assert traffic.params_sent == traffic.grads_received == served * 4
-        assert order == sorted(order), "a rank posts its messages in key order"
-        for key, send, peer in keys:  # the other rank holds the same message, the other way
-            assert (key, not send, rank) in every[peer], (rank, key)
+        assert order == sorted(order, key=lambda k: (k[0], k[1], k[2], k[3])), "units in the one global order"
+        for (key, peer), messages in units.items():  # the peer's unit holds the same messages, the other way
+            assert every[peer][(key, rank)] == sorted((k, not send) for k, send in messages), (rank, key)
         # fp32 compute and reduction: only the push's receives (and the pull's multi-range sends) hold buffers
-        assert 0 < peak <= overlap_buffer_bytes(inflight, chunk, 4, 4), (peak, inflight)
+        assert 0 < peak <= overlap_buffer_bytes(inflight, unit_numel, 4, 4), (peak, inflight)
         if inflight == 0:
-            assert peak <= chunk * 4  # one message at a time
+            assert peak <= 2 * unit_numel * 4  # one unit at a time
 
 
 def test_windows_are_bounded_in_size_and_what_flies_is_counted(monkeypatch):
     """A model larger than eight windows of ``MAX_WINDOW_NUMEL`` is cut into more windows, none larger than it
-    where the parameters allow; the buffers the memory model charges are the bound in flight, or one message of
-    the wider dtype when that is more."""
+    where the parameters allow; the buffers the memory model charges are the bound in flight, or one unit each
+    way in the wider dtype when that is more."""
     import runtime.overlap as overlap
 
     monkeypatch.setattr(overlap, "MAX_WINDOW_NUMEL", 20)
@@ -122,7 +122,8 @@ def test_windows_are_bounded_in_size_and_what_flies_is_counted(monkeypatch):
     sizes = {lo: layout.specs[n].numel for n, spec in layout.specs.items() for lo in [spec.offset]}
     assert all(hi - lo <= 20 or hi - lo == sizes[lo] for lo, hi in windows), windows  # or one larger parameter
     assert overlap_buffer_bytes(1 << 28, 1 << 24, param_bytes=2, reduce_bytes=4) == 1 << 28
-    assert overlap_buffer_bytes(1 << 20, 1 << 24, param_bytes=2, reduce_bytes=4) == 4 << 24
+    assert overlap_buffer_bytes(1 << 20, 1 << 24, param_bytes=2, reduce_bytes=4) == 8 << 24
+    assert largest_unit_numel(layout, windows) == min(max(hi - lo for lo, hi in windows), layout.shard_numel)
 
 
 def _failing_push(rank, world):
@@ -139,13 +140,13 @@ def _failing_push(rank, world):
     plan = WindowedMovement(move, layout, layout_windows(layout, 3), 8)
     flat = params.materialize()
     params.zero_grads()
-    post = MovementInFlight._post
+    post = MovementInFlight._post_batch
 
-    def broken(self, m, group):
-        if m.phase == "push":
+    def broken(self, batch, group):
+        if batch[0].phase == "push":
             raise ConnectionError("link down")
-        return post(self, m, group)
-    MovementInFlight._post = broken
+        return post(self, batch, group)
+    MovementInFlight._post_batch = broken
     try:
         flight = plan.start(layout, flat, params, torch.float32, inflight_bytes=0)
         with pytest.raises(MovementError) as failure:  # at the first wait after the failure
@@ -155,7 +156,7 @@ def _failing_push(rank, world):
             flight.finish(layout)
         return str(failure.value)
     finally:
-        MovementInFlight._post = post
+        MovementInFlight._post_batch = post
 
 
 def test_a_failed_message_is_a_movement_error_on_the_compute_thread(tmp_path):
