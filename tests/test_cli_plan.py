@@ -63,12 +63,18 @@ def test_movement_ignored_estimates_compute_only(capsys):
                                                            + charged["movement"]["floor_ms"], abs=2e-3)
 
 
-def test_overlapped_movement_mode_charges_what_the_micro_batches_do_not_cover(capsys):
+def _default_and(capsys, *extra: str) -> tuple[dict, dict]:
+    """``hcompile plan --json`` of homogeneous-token with the defaults, and with ``extra`` flags."""
     args = ["plan", *FAST, "--json", "--policy", "homogeneous-token"]
-    assert main(args) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main([*args, "--movement-mode", "overlapped"]) == 0
-    overlapped = json.loads(capsys.readouterr().out)
+    outs = []
+    for argv in (args, [*args, *extra]):
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    return outs[0], outs[1]
+
+
+def test_overlapped_movement_mode_charges_what_the_micro_batches_do_not_cover(capsys):
+    plain, overlapped = _default_and(capsys, "--movement-mode", "overlapped")
     assert (plain["movement"]["mode"], overlapped["movement"]["mode"]) == ("plain", "overlapped")
     a, b = plain["policies"]["homogeneous-token"], overlapped["policies"]["homogeneous-token"]
     assert 0 < b["est_comm_ms_mean"] < a["est_comm_ms_mean"]  # the same strategy, most of its movement hidden
@@ -77,11 +83,7 @@ def test_overlapped_movement_mode_charges_what_the_micro_batches_do_not_cover(ca
 
 
 def test_bf16_gradients_halve_the_push_in_the_charge(capsys):
-    args = ["plan", *FAST, "--json", "--policy", "homogeneous-token"]
-    assert main(args) == 0
-    fp32 = json.loads(capsys.readouterr().out)
-    assert main([*args, "--reduce-dtype", "bf16"]) == 0
-    bf16 = json.loads(capsys.readouterr().out)
+    fp32, bf16 = _default_and(capsys, "--reduce-dtype", "bf16")
     assert (fp32["movement"]["reduce_bytes"], bf16["movement"]["reduce_bytes"]) == (4, 2)
     a, b = fp32["policies"]["homogeneous-token"], bf16["policies"]["homogeneous-token"]
     assert b["bytes_per_rank_max"] < a["bytes_per_rank_max"] and b["est_comm_ms_mean"] < a["est_comm_ms_mean"]
