@@ -53,7 +53,7 @@ from runtime.executor import NON_FINITE_POLICIES, Executor, setting_problem
 from runtime.fixed_layout import FixedLayout, Init, fill_layout
 from runtime.loss import global_pair_count
 from runtime.measure import StepStats, TakeTurns
-from runtime.overlap import DEFAULT_INFLIGHT_BYTES, largest_unit_numel
+from runtime.overlap import DEFAULT_INFLIGHT_BYTES, check_inflight_bytes, largest_unit_numel
 from runtime.planning import PlanService, plan_timeout_s
 from runtime.redistribute import Traffic
 from runtime.topology import Cluster
@@ -167,9 +167,7 @@ class TrainOptions:
         if isinstance(self.movement_pieces, bool) or not isinstance(self.movement_pieces, int) \
                 or self.movement_pieces < 1:
             raise ValueError(f"movement_pieces must be a positive integer, got {self.movement_pieces!r}")
-        if isinstance(self.movement_inflight_bytes, bool) or not isinstance(self.movement_inflight_bytes, int) \
-                or self.movement_inflight_bytes < 0:
-            raise ValueError(f"movement_inflight_bytes must be an integer >= 0, got {self.movement_inflight_bytes!r}")
+        check_inflight_bytes(self.movement_inflight_bytes, "movement_inflight_bytes")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
         if self.policy not in POLICIES:

@@ -29,7 +29,14 @@ from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout
 from runtime.loss import global_pair_count
 from runtime.measure import PhaseHook, StepMeter, StepState, StepStats
-from runtime.overlap import DEFAULT_INFLIGHT_BYTES, DEFAULT_WINDOWS, MovementInFlight, WindowedMovement, layout_windows
+from runtime.overlap import (
+    DEFAULT_INFLIGHT_BYTES,
+    DEFAULT_WINDOWS,
+    MovementInFlight,
+    WindowedMovement,
+    check_inflight_bytes,
+    layout_windows,
+)
 from runtime.pipeline import Pipeline
 from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
 from runtime.stage_params import StageParams
@@ -126,9 +133,7 @@ class Executor:
         self.param_dtype, self.reduce_dtype, self.chunk_numel = param_dtype, reduce_dtype, chunk_numel
         self.grad_dtype = grad_dtype
         self.overlap = overlap
-        if isinstance(inflight_bytes, bool) or not isinstance(inflight_bytes, int) or inflight_bytes < 0:
-            raise ValueError(f"inflight_bytes must be an integer >= 0, got {inflight_bytes!r}")
-        self.inflight_bytes = inflight_bytes
+        self.inflight_bytes = check_inflight_bytes(inflight_bytes)
         self.windows = layout_windows(layout, windows) if overlap else []
         """The fixed layout's movement windows (overlapped movement only)."""
         self._windowed: dict[Strategy, WindowedMovement] = {}

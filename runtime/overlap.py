@@ -53,7 +53,7 @@ from runtime.stage_params import StageParams
 
 __all__ = ["layout_windows", "WindowedMovement", "Message", "Unit", "MovementInFlight", "MovementError",
            "DEFAULT_WINDOWS", "MAX_WINDOW_NUMEL", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes",
-           "largest_unit_numel"]
+           "largest_unit_numel", "check_inflight_bytes"]
 
 DEFAULT_WINDOWS = 8
 """Windows the fixed layout is cut into for overlapped movement (more where they would exceed
@@ -62,6 +62,13 @@ MAX_WINDOW_NUMEL = 1 << 25
 """Elements of the largest window (one parameter larger than this is a window of its own)."""
 DEFAULT_INFLIGHT_BYTES = 1 << 28
 """Bytes of movement buffers a rank's progress thread keeps in flight at most (256 MiB)."""
+
+
+def check_inflight_bytes(value: object, name: str = "inflight_bytes") -> int:
+    """``value`` as a bound on the bytes in flight: an integer >= 0, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def overlap_buffer_bytes(inflight_bytes: int, unit_numel: int, param_bytes: int, reduce_bytes: int) -> int:
@@ -194,18 +201,25 @@ class WindowedMovement:
         self.units: list[Unit] = []
         """This rank's units in posting order (module docstring): the pull's windows ascending, then the push's
         descending; in a window, the peers ascending."""
-        for phase, messages, order in (("pull", self.pull, range(len(windows))),
-                                       ("push", self.push, range(len(windows) - 1, -1, -1))):
+        for phase, messages, way in (("pull", self.pull, 1), ("push", self.push, -1)):
             by: dict[tuple[int, int], list[Message]] = {}
             for m in sorted(messages, key=lambda m: m.key):
                 by.setdefault((m.window, m.peer), []).append(m)
-            for g in order:
-                for (w, peer), unit in sorted(by.items()):
-                    if w == g:
-                        self.units.append(Unit(phase, g, peer, tuple(unit)))
+            for (g, peer), unit in sorted(by.items(), key=lambda item: (way * item[0][0], item[0][1])):
+                self.units.append(Unit(phase, g, peer, tuple(unit)))
         self.pull_ends = [sum(1 for u in self.units if u.phase == "pull" and u.window <= g)
                           for g in range(len(windows))]
         """Per window: how many of the pull's units (a prefix) must be complete for it to be in place."""
+
+    def own_pieces(self, g: int) -> list[tuple[int, int, int]]:
+        """(position in this rank's buffer, offset in its shard, length) of what window ``g`` of its buffer holds
+        from its own shard (no message: copied in the pull, added in the push)."""
+        out = []
+        for owner, start, count in self.fills[g]:
+            if owner == self.rank:
+                local = next(r for j, r in self.serves[g] if j == self.rank)
+                out += [(start + pos, off, n) for pos, off, n in pieces(local, 0, count)]
+        return out
 
     def windows_of(self, params: StageParams) -> dict[str, int]:
         """The window of each of ``params``' parameters (by name)."""
@@ -244,8 +258,7 @@ class MovementInFlight:
                  reduce_dtype: torch.dtype, inflight_bytes: int):
         if flat.numel() != plan.move.numel:
             raise ValueError(f"the buffer has {flat.numel()} elements, this rank computes with {plan.move.numel}")
-        if isinstance(inflight_bytes, bool) or not isinstance(inflight_bytes, int) or inflight_bytes < 0:
-            raise ValueError(f"inflight_bytes must be an integer >= 0, got {inflight_bytes!r}")
+        check_inflight_bytes(inflight_bytes)
         self.plan, self.layout, self.flat, self.params = plan, layout, flat, params
         self.reduce_dtype, self.bound = reduce_dtype, inflight_bytes
         self.shard = layout.shard.detach()
@@ -256,11 +269,8 @@ class MovementInFlight:
         """Seconds the compute waited for pull windows; most bytes of buffers in flight at once."""
         with torch.no_grad():  # this rank's own slices: copied at once
             for g in range(len(plan.windows)):
-                for owner, start, count in plan.fills[g]:
-                    if owner == plan.rank:
-                        local = next(r for j, r in plan.serves[g] if j == plan.rank)
-                        for pos, off, n in pieces(local, 0, count):
-                            flat[start + pos:start + pos + n].copy_(self.shard[off:off + n])
+                for at, off, n in plan.own_pieces(g):
+                    flat[at:at + n].copy_(self.shard[off:off + n])
         size = flat.element_size()
         self.traffic = Traffic(params_received=sum(m.count for m in plan.pull if not m.send) * size,
                                params_sent=sum(m.count for m in plan.pull if m.send) * size)
@@ -354,11 +364,8 @@ class MovementInFlight:
         for g in range(len(plan.windows)):
             if not self._weighed[g]:
                 self.params.weigh_grads(*plan.spans[g])
-            for owner, start, count in plan.fills[g]:
-                if owner == plan.rank:
-                    local = next(r for j, r in plan.serves[g] if j == plan.rank)
-                    for pos, off, n in pieces(local, 0, count):
-                        self.shard_grad[off:off + n].add_(grads[start + pos:start + pos + n])
+            for at, off, n in plan.own_pieces(g):
+                self.shard_grad[off:off + n].add_(grads[at:at + n])
         layout.shard.grad, self.shard_grad = self.shard_grad, None
         return self._push_traffic
 
