@@ -273,7 +273,7 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
         raise too_long_error(cost_model, job.gpus, dataset.max_len)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
-    movement = movement_cost(profile, job.hardware, cost_model, job.movement_mode, REDUCE_BYTES[job.reduce_dtype])
+    movement = _job_movement(job, profile, cost_model)
     charged = movement if job.charge_movement else None
     # the pool sees the movement where the exact replay is cheap (it scores thousands of mixes; 50K at 1024 GPUs)
     pool_extra = charged.exposed_ms if charged is not None and job.gpus <= charged.exact_up_to else None
@@ -331,6 +331,11 @@ def movement_cost(profile: Profile, hardware: str, cost_model: CostModel, mode: 
                         slowdown=links.overlap_slowdown)
 
 
+def _job_movement(job: PlanJob, profile: Profile, cost_model: CostModel) -> MovementCost | None:
+    """:func:`movement_cost` of ``job``'s hardware, runtime and gradient dtype."""
+    return movement_cost(profile, job.hardware, cost_model, job.movement_mode, REDUCE_BYTES[job.reduce_dtype])
+
+
 def _rank_bytes(movement: MovementCost, gpus_per_node: int) -> Callable[[Strategy], tuple[int, int]]:
     """``moved(strategy)``: the busiest rank's and the median rank's bytes per step (received and sent)."""
     cache: dict[Strategy, tuple[int, int]] = {}
@@ -354,8 +359,7 @@ def run_plan_job(job: PlanJob, plans_out: str | None = None,
         check_output_path(plans_out, "--plans-out")
     planner, dataset, batches = prepare(job, progress)
     policies = job.policies or (POLICIES + (CP_POLICIES if planner.cp_base is not None else ()))
-    movement = planner.movement or movement_cost(_profile(job), job.hardware, planner.cost_model, job.movement_mode,
-                                                 REDUCE_BYTES[job.reduce_dtype])
+    movement = planner.movement or _job_movement(job, _profile(job), planner.cost_model)
     moved = None if movement is None else _rank_bytes(movement, planner.cost_model.gpus_per_node)
     plans: list[StepPlan] = []
     lines: list[str] = []
