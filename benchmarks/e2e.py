@@ -12,7 +12,12 @@ backward, ``runtime.cpu_clock``; the computing thread alone is reported beside i
 mean per-rank busy time); the prediction of the step over the measured one (``pred_over_measured``): the cost
 model's compute as executed (micro-batches padded to their bucket) plus the planner's replay of the
 parameter and gradient movement on the profiled links, over the one-core compute plus the measured movement
-(the slowest rank's pull and the push of the rank that reached it last); the compute part alone is
+(the slowest rank's pull and the push of the rank that reached it last). With the default overlapped runtime
+the predicted movement is what ``MovementCost.step_ms`` adds to the slowest replica (the compute's slowdown
+beside its transfers, at the profile's probed ``overlap_slowdown``, plus the first forward's stall and the
+push's tail) and the measured movement is the slowest rank's pull (posting) and wait for windows, plus the
+push of the rank that reached it last (its tail); the slowdown the transfers cause shows in the one-core
+compute, which counts the movement thread's CPU time on this machine. The compute part alone is
 ``pred_over_measured_compute`` (what ``pred/meas`` was before commit 82055f5), the movement part alone
 ``movement_pred_over_measured``; compilations after warm-up; parameter and gradient bytes moved per step;
 planning time and whether it was hidden behind the previous step. Bad input exits with status 2 and a
@@ -280,9 +285,10 @@ def _policy_summary(rec: dict) -> dict:
     busy = [np.asarray(s["busy_ms"]) for s in steps]
     one_core = [float(b.max()) for b in busy]
     # movement: the slowest pull, and the push of the rank that reached it last (the others' include their wait)
-    measured_move = [max(s["pull_ms"]) + min(s["push_ms"]) for s in steps]
-    moved = all(s.get("pred_pull_ms") is not None for s in steps)
-    pred_move = [s["pred_pull_ms"] + s["pred_push_ms"] if moved else 0.0 for s in steps]
+    measured_move = [max(p + w for p, w in zip(s["pull_ms"], s.get("wait_ms") or [0.0] * len(s["pull_ms"])))
+                     + min(s["push_ms"]) for s in steps]
+    moved = all(s.get("pred_move_ms") is not None for s in steps)
+    pred_move = [s["pred_move_ms"] if moved else 0.0 for s in steps]
     step_ratios = [(s["pred_ms"] + p) / (m + (q if moved else 0.0))
                    for s, m, p, q in zip(steps, one_core, pred_move, measured_move)]
     tokens = sum(s["tokens"] for s in steps)

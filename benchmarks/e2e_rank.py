@@ -64,8 +64,27 @@ class RankJob:
 def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -> list[float]:
     """Per replica, the cost model's time of its micro-batches as the runtime executes them: each padded
     up to its token bucket by one extra sequence."""
+    return [ms for ms, _ in _predicted_replicas(cost_model, plan, buckets)]
+
+
+def _predicted_replicas(cost_model: CostModel, plan: StepPlan,
+                        buckets: TokenBuckets) -> list[tuple[float, tuple[float, float]]]:
+    """Per replica, :func:`predicted_ms` and the predicted time of its first and last micro-batch (what the
+    overlapped movement's model reads, ``MovementCost.step_ms``)."""
     executed = dataclasses.replace(cost_model, buckets=buckets.sizes)
-    return [executed.replica_ms(r.scheme, executed.micro_batch_times(r, plan.seq_lens)) for r in plan.replicas]
+    out = []
+    for r in plan.replicas:
+        times = executed.micro_batch_times(r, plan.seq_lens)
+        out.append((executed.replica_ms(r.scheme, times), (times[0], times[-1]) if times else (0.0, 0.0)))
+    return out
+
+
+def predicted_move_ms(movement, plan: StepPlan, replicas: list[tuple[float, tuple[float, float]]]) -> float:
+    """What the movement adds to the predicted step (``MovementCost.step_ms`` less the slowest replica's
+    compute): plain, the pull and the push; overlapped, the slowdown of the compute beside its transfers plus
+    the stall of the first forward and the push's tail after the last backward."""
+    compute = [ms for ms, _ in replicas]
+    return movement.step_ms(plan.strategy, compute, [e for _, e in replicas]) - max(compute, default=0.0)
 
 
 def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
@@ -76,12 +95,17 @@ def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for lens in job.batches]
 
 
-def _step_record(step: int, stats, plan: StepPlan, wall_ms: float, pred: list[float], movement) -> dict:
+def _step_record(step: int, stats, plan: StepPlan, wall_ms: float,
+                 replicas: list[tuple[float, tuple[float, float]]], movement) -> dict:
     moved = None if movement is None else movement.time(plan.strategy)
+    pred = [ms for ms, _ in replicas]
     return {
         "pull_ms": list(stats.pull_ms), "push_ms": list(stats.push_ms),
+        "wait_ms": list(stats.pull_wait_ms) or [0.0] * len(stats.pull_ms),
+        "movement_mode": None if movement is None else movement.mode,
         "pred_pull_ms": None if moved is None else moved.pull_ms,
         "pred_push_ms": None if moved is None else moved.push_ms,
+        "pred_move_ms": None if movement is None else predicted_move_ms(movement, plan, replicas),
         "step": step, "loss": stats.loss, "tokens": stats.tokens, "strategy": stats.strategy,
         "busy_ms": list(stats.busy_ms), "compute_thread_ms": list(stats.compute_thread_ms), "wall_ms": wall_ms,
         "compilations": stats.compilations,
@@ -119,8 +143,12 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
         schemes = sorted({s for strategy in strategies for s in strategy.schemes})
         size = torch.empty((), dtype=trainer.executor.param_dtype).element_size()
         reduce = torch.empty((), dtype=trainer.executor.reduce_dtype).element_size()
+        overlapped = trainer.executor.overlap
         movement = MovementCost(compute_layout(trainer.lowerings, trainer.layout, schemes), job.links,
-                                param_bytes=size, reduce_bytes=reduce, chunk_numel=trainer.executor.chunk_numel)
+                                param_bytes=size, reduce_bytes=reduce, chunk_numel=trainer.executor.chunk_numel,
+                                mode="overlapped" if overlapped else "plain",
+                                windows=max(1, len(trainer.executor.windows)),
+                                slowdown=job.links.overlap_slowdown if overlapped else 0.0)
     return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool], "movement": movement,
             "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
             "builds_before_steps": builds, "warm_compilations": builds, "steps": [],
@@ -136,7 +164,7 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     if i == job.warmup - 1:
         state["warm_compilations"] = stats.compilations
     if i >= job.warmup:
-        record = _step_record(i, stats, plan, wall, predicted_ms(trainer.cost_model, plan, state["buckets"]),
+        record = _step_record(i, stats, plan, wall, _predicted_replicas(trainer.cost_model, plan, state["buckets"]),
                               state["movement"])
         if trainer.calibration is not None:  # rank 0: the factors the next plans use
             record["calibration"] = {s.describe(): round(f, 4) for s, f in trainer.calibration.factors.items()}

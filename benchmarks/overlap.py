@@ -12,6 +12,17 @@ movement and of the step's wall time, and the losses of both modes (equal: the s
 
 On this machine 4 ranks share 2 cores, so the transfers (gloo's threads copying through the loopback) take
 cores from the compute they overlap with; on GPUs they run on the copy engines and NICs.
+
+Predicted against measured, per strategy: what the overlapped runtime adds to the step beyond the same step with
+its movement free. Measured: the overlapped step's wall time less the rounds' step wall time without its pull and
+push, each timed from a barrier (``benchmarks.memory.PhaseClock``: the pull until the last rank computes, the
+push until the last rank reaches its optimiser), medians; the ranks run under ``benchmarks.memory``'s
+``FRESH_ALLOCATOR``, as the movement model counts their buffers. Predicted: the planner's model of the
+overlapped runtime (``MovementCost(mode="overlapped").step_ms`` less the slowest replica's compute) on the links
+probed here once every strategy has compiled
+(``runtime.link_probe``, its ``overlap_slowdown`` included: the cores the transfers take from the compute), each
+replica's compute as measured in the rounds (its ranks' longest compute phase), its first and last micro-batch
+that compute's share by tokens. Target: within 25% (``pred_over_measured``).
 Prints a table; ``--json`` prints one JSON object; rows are appended, stamped, to ``results/overlap.jsonl``.
 ``--smoke``: a tiny model, one strategy (CI).
 """
@@ -20,20 +31,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from benchmarks.memory import MODEL, SMOKE_MODEL, _batch
+from benchmarks.memory import FRESH_ALLOCATOR, MODEL, SMOKE_MODEL, PhaseClock, _batch
 from hcompile.models import LlamaConfig
 
 STRATEGIES = ("4x(tp1)", "2x(tp2)", "1x(tp2,pp2)", "1x(tp2)+2x(tp1)")
 SMOKE_STRATEGIES = ("1x(tp2)+2x(tp1)",)
 TIMED_STEPS = 4
 """Timed steps per strategy and mode (after one warm-up step each)."""
+PROBE_REPEATS = 15
+"""Timings per figure of the link probe (as ``benchmarks.memory``)."""
 MODES = ("rounds", "overlap")
 
 
@@ -42,6 +57,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
     from hcompile.models import Llama
     from passes.graph.variant import TokenBuckets
     from runtime import distributed as comm
+    from runtime.link_probe import probe_links
 
     trainers = {}
     with hcompile.empty_init():
@@ -52,21 +68,34 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=list(strategies),
             tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02),
             overlap_movement=mode == "overlap")
+    for i, strategy in enumerate(strategies):  # warm-up: compiles what each strategy needs
+        for mode in MODES:
+            trainers[mode].train_step(_batch(cfg, 1000 * i), strategy=strategy)
+    probe = probe_links(repeats=PROBE_REPEATS)
     rows = []
     for i, strategy in enumerate(strategies):
         measured: dict[str, list] = {mode: [] for mode in MODES}
-        for k in range(steps + 1):
+        for k in range(1, steps + 1):
             batch = _batch(cfg, 1000 * i + k)
             for mode in MODES:
+                clock = PhaseClock()  # rounds: a barrier before each phase times it apart from the compute
+                if mode == "rounds":
+                    trainers[mode].executor.hooks.insert(0, clock)
                 stats = trainers[mode].train_step(batch, strategy=strategy)
-                if k == 0:
-                    continue  # warm-up: compiles what the strategy needs
+                if mode == "rounds":
+                    trainers[mode].executor.hooks.remove(clock)
+                every = comm.all_gather_object(clock.at)
                 walls = comm.all_gather_object(stats.wall_ms)
+                computes = comm.all_gather_object(stats.compute_window[1] - stats.compute_window[0])
                 exposed = [p + w + q for p, w, q in zip(stats.pull_ms, stats.pull_wait_ms or [0.0] * world,
                                                         stats.push_ms)]
                 measured[mode].append({"loss": stats.loss, "wall_ms": max(walls), "exposed_ms": max(exposed),
                                        "pull_ms": max(stats.pull_ms), "push_ms": max(stats.push_ms),
-                                       "wait_ms": max(stats.pull_wait_ms or [0.0])})
+                                       "wait_ms": max(stats.pull_wait_ms or [0.0]),
+                                       "moved_ms": _barrier_phases_ms(every) if clock.at else 0.0,
+                                       "compute_ms": [1e3 * c for c in computes],
+                                       "plan": trainers[mode].last_plan.plan})
+        predicted = _predicted(trainers["overlap"], strategy, probe.host_links(world), measured["rounds"])
         if rank == 0:
             row = {"strategy": strategy, "steps": steps}
             for mode in MODES:
@@ -75,15 +104,62 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
                 row[f"{mode}_losses"] = [m["loss"] for m in measured[mode]]
             row["exposed_ratio"] = row["overlap_exposed_ms"] / row["rounds_exposed_ms"]
             row["wall_ratio"] = row["overlap_wall_ms"] / row["rounds_wall_ms"]
+            row["measured_added_ms"] = statistics.median(
+                o["wall_ms"] - (r["wall_ms"] - r["moved_ms"]) for o, r in zip(measured["overlap"], measured["rounds"]))
+            row.update(predicted)
+            row["pred_over_measured"] = row["pred_added_ms"] / row["measured_added_ms"]
+            row["links"] = probe.to_dict()
             rows.append(row)
     return rows
+
+
+def _barrier_phases_ms(every: list[dict]) -> float:
+    """The pull and the push as every rank's ``PhaseClock`` timed them: from the barrier until the last rank
+    computes, and until the last rank reaches its optimiser."""
+    pull = max(a["compute"] for a in every) - min(a["pull"] for a in every)
+    push = max(a["optimizer"] for a in every) - min(a["push"] for a in every)
+    return 1e3 * (pull + push)
+
+
+def _predicted(trainer, strategy: str, links, rounds: list[dict]) -> dict:
+    """The planner's overlapped charge of ``strategy`` on ``links``, with each replica's compute as the rounds
+    measured it (the median over steps of its ranks' longest compute phase), its first and last micro-batch
+    that compute's share by tokens (1F1B: ``sum t_j + (pp - 1) max t_j``)."""
+    from hcompile.cost import compute_layout
+    from passes.plan.ir import Strategy
+    from passes.plan.movement import MovementCost
+
+    parsed = Strategy.parse(strategy)
+    executor = trainer.executor
+    size = torch.empty((), dtype=executor.param_dtype).element_size()
+    reduce = torch.empty((), dtype=executor.reduce_dtype).element_size()
+    cost = MovementCost(compute_layout(trainer.lowerings, trainer.layout, list(parsed.schemes)), links,
+                        param_bytes=size, reduce_bytes=reduce, chunk_numel=executor.chunk_numel, mode="overlapped",
+                        windows=max(1, len(executor.windows)), slowdown=links.overlap_slowdown)
+    added, computes = [], []
+    for step in rounds:
+        plan = step["plan"]
+        replica_ms, edges = [], []
+        for replica in plan.replicas:
+            ms = max(step["compute_ms"][r] for r in replica.ranks)
+            tokens = [sum(plan.seq_lens[i] for i in mb) for mb in replica.micro_batches] or [0]
+            unit = ms / max(1, sum(tokens) + (replica.scheme.pp - 1) * max(tokens))
+            replica_ms.append(ms)
+            edges.append((unit * tokens[0], unit * tokens[-1]))
+        added.append(cost.step_ms(plan.strategy, replica_ms, edges) - max(replica_ms))
+        computes.append(max(replica_ms))
+    time = cost.time(parsed)
+    return {"pred_added_ms": statistics.median(added), "compute_ms": statistics.median(computes),
+            "pred_pull_ms": time.pull_ms, "pred_push_ms": time.push_ms, "slowdown": links.overlap_slowdown,
+            "windows": cost.windows}
 
 
 def run(cfg: LlamaConfig, strategies: tuple[str, ...], steps: int = TIMED_STEPS, world: int = 4) -> list[dict]:
     """One row per strategy, measured on ``world`` local ranks."""
     from hcompile.tools.spawn import run_local_ranks
 
-    return run_local_ranks(world, _rank, cfg, strategies, steps, timeout_s=2400)[0]
+    with mock.patch.dict(os.environ, FRESH_ALLOCATOR):  # as benchmarks.memory: the buffers the model counts
+        return run_local_ranks(world, _rank, cfg, strategies, steps, timeout_s=2400)[0]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -95,6 +171,13 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['exposed_ratio']:>6.2f} {r['rounds_wall_ms']:>10.1f} -> {r['overlap_wall_ms']:>8.1f} "
                      f"{r['wall_ratio']:>6.2f} {r['overlap_pull_ms']:>10.1f}/{r['overlap_wait_ms']:.1f}/"
                      f"{r['overlap_push_ms']:.1f}")
+    lines.append("")
+    lines.append(f"what the overlapped runtime adds to the step, predicted against measured (slowdown "
+                 f"{rows[0]['slowdown']:.2f} probed, {rows[0]['windows']} windows):" if rows else "")
+    lines.append(f"{'strategy':<18} {'compute ms':>10} {'pred ms':>8} {'meas ms':>8} {'pred/meas':>9}")
+    for r in rows:
+        lines.append(f"{r['strategy']:<18} {r['compute_ms']:>10.1f} {r['pred_added_ms']:>8.1f} "
+                     f"{r['measured_added_ms']:>8.1f} {r['pred_over_measured']:>9.3f}")
     return "\n".join(lines)
 
 
@@ -104,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=TIMED_STEPS, help=f"timed steps per mode ({TIMED_STEPS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--out", default="results", help="folder of overlap.jsonl (default results)")
+    parser.add_argument("--strategy", action="append", default=None,
+                        help=f"a strategy of 4 ranks to run (repeatable; default {', '.join(STRATEGIES)})")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -116,6 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.provenance import commit
 
     cfg, strategies = (SMOKE_MODEL, SMOKE_STRATEGIES) if args.smoke else (MODEL, STRATEGIES)
+    if args.strategy:
+        from passes.plan.ir import PlanError, Strategy
+
+        for text in args.strategy:
+            try:
+                gpus = Strategy.parse(text).gpus
+            except PlanError as err:
+                print(f"--strategy {text!r}: {err}", file=sys.stderr)
+                return 2
+            if gpus != 4:
+                print(f"--strategy {text!r} uses {gpus} ranks, expected 4", file=sys.stderr)
+                return 2
+        strategies = tuple(args.strategy)
     rows = run(cfg, strategies, args.steps)
     summary = {"benchmark": "overlap", "commit": commit(), "device": device_name(), "smoke": args.smoke,
                "model": asdict(cfg), "ranks": 4, "rows": rows}

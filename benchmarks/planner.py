@@ -4,8 +4,8 @@
                                             # 32B/1024 GPUs; table, JSON lines and PNG plots under results/
     python -m benchmarks.planner --smoke    # one small case (what CI runs)
     python -m benchmarks.planner --movement charged   # only with movement charged (default: both, side by side)
-    python -m benchmarks.planner --movement charged --movement-mode overlapped   # charged as the overlapped
-                                            # runtime runs it (default plain; both: side by side)
+    python -m benchmarks.planner --movement charged --movement-mode both   # charged as the overlapped runtime
+                                            # (the default) and the plain one run it, side by side
     python -m benchmarks.planner --long-context --movement charged   # 32B on 64 and 1024 GPUs, long-context data,
                                             # 1M tokens per step: hydraulis with CP against dynamic-cp and
                                             # homogeneous-cp (context parallelism is planned only)
@@ -14,8 +14,8 @@ Step times are the cost model's estimates (measured A800 profiles), not wall clo
 planner's own wall-clock time on this machine. Each setting runs twice: movement ``ignored`` (compute only,
 as the planner was before it counted movement; the movement of the chosen strategies still reported) and
 ``charged`` (every policy's estimate is compute plus the exposed parameter and gradient movement of its
-plan on the A800 preset's links, and strategies are chosen by that sum), its movement modelled as the plain
-runtime runs it (``--movement-mode plain``, the default), as the overlapped one does (``overlapped``), or both.
+plan on the A800 preset's links, and strategies are chosen by that sum), its movement modelled as the default
+(overlapped) runtime runs it (``--movement-mode overlapped``), as the plain one does (``plain``), or both.
 """
 
 from __future__ import annotations
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the long-context settings (32B on 64 and 1024 GPUs, context parallelism planned)")
     parser.add_argument("--movement", choices=("both", "charged", "ignored"), default="both",
                         help="run each setting with movement ignored, charged, or both (default)")
-    parser.add_argument("--movement-mode", choices=("plain", "overlapped", "both"), default="plain",
-                        help="the runtime whose movement is charged: plain (default), overlapped, or both")
+    parser.add_argument("--movement-mode", choices=("plain", "overlapped", "both"), default="overlapped",
+                        help="the runtime whose movement is charged: overlapped (default), plain, or both")
     parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the dtype gradients travel in (default fp32)")
     args = parser.parse_args(argv)

@@ -58,10 +58,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="charged: estimates include each strategy's exposed parameter and gradient movement and "
                         "strategies are chosen by it; ignored: compute only, the movement still reported "
                         "(default charged)")
-    p.add_argument("--movement-mode", choices=("plain", "overlapped"), default="plain",
-                   help="the runtime whose movement is charged: plain (pull before the compute, push after it; the "
-                        "default runtime) or overlapped (TrainOptions(overlap_movement=True): what the micro-batches "
-                        "do not cover) (default plain)")
+    p.add_argument("--movement-mode", choices=("plain", "overlapped"), default="overlapped",
+                   help="the runtime whose movement is charged: overlapped (the default runtime, "
+                        "TrainOptions(overlap_movement=True): what the micro-batches do not cover) or plain "
+                        "(overlap_movement=False: pull before the compute, push after it) (default overlapped)")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the dtype gradients travel to their owners in, TrainOptions(reduce_dtype=) (default fp32)")
     p.add_argument("--plans-out", help="write one JSON line per (step, policy) to this file")

@@ -126,14 +126,15 @@ class TrainOptions:
     """Bound on the self-check's probe, in tokens of one micro-batch (``bucket * cp``): each scheme is probed at its
     largest bucket within it, with a sequence longer than every window and chunk of the model; what the bound
     leaves out is logged as a warning (``hcompile.verify.probe_plan``)."""
-    overlap_movement: bool = False
+    overlap_movement: bool = True
     """Move parameters and gradients window by window of the fixed layout, overlapped with compute
     (``runtime.overlap``): each stage is cut into ``movement_pieces`` pieces (each compiled on its own), a piece
     waits for its parameters' windows just before it runs, and each window of gradients goes to its owners as
     soon as the step's last backward has finished it. A progress thread per rank posts the messages, with at
     most ``movement_inflight_bytes`` of buffers in flight (or one window's messages with one peer, when that is
     more), which the memory model charges (``runtime.overlap.overlap_buffer_bytes``).
-    Off by default (issue 37 makes it the default once the planner models what it hides)."""
+    The default, as Megatron-Core's distributed optimizer and FSDP overlap theirs; ``False`` runs the plain
+    runtime (``runtime.redistribute``: the whole pull before the compute, the whole push after it)."""
     movement_pieces: int = 4
     """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
     movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES

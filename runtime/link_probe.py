@@ -12,13 +12,21 @@ adds one 64 MiB buffer into another it wrote before (the movement's gathers and 
 cores, a transfer runs faster when fewer run beside it, and where there are fewer cores than ranks a short exchange
 of two of them sometimes runs with both on one core, at half the speed, until the scheduler spreads them (on 4
 ranks and 2 cores one try gave 0.9 GB/s and the next 1.7-2.1); the movement's phases last long enough to be spread.
+And it times how much slower compute runs while transfers run beside it (``overlap_slowdown``, what the overlapped
+runtime's compute pays for the movement it hides): every rank multiplies matrices for about
+``SLOWDOWN_COMPUTE_MS`` alone, then again while a thread of its own (on a GPU, a stream of its own) runs rounds of
+pairs lasting about half that; the slowdown is the compute's extra time over the transfers' time alone (0: the
+transfers cost the compute nothing, as copy engines and NICs nearly do; 1: every transfer millisecond is a compute
+millisecond lost, as where ranks share a host's cores).
 What it measures is whatever the backend uses between these ranks: gloo over local sockets on a CPU machine, NCCL
 over NVLink between the GPUs of one node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +37,7 @@ import torch
 from passes.plan.links import Links
 from runtime import distributed as comm
 
-__all__ = ["LinkProbe", "probe_links", "DEFAULT_PROBE_BYTES", "PAIR_PROBES"]
+__all__ = ["LinkProbe", "probe_links", "overlap_slowdown", "DEFAULT_PROBE_BYTES", "PAIR_PROBES"]
 
 DEFAULT_PROBE_BYTES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
 """Message sizes probed: 64 KiB to 16 MiB."""
@@ -42,6 +50,10 @@ buffers of a model of any size do (a smaller buffer is served from reused memory
 its rate is that of warm memory)."""
 WARM_PASSES = 4
 """Adds per timing of the written-memory probe (``FRESH_PROBE_BYTES`` each)."""
+SLOWDOWN_COMPUTE_MS = 200.0
+"""About how long the slowdown probe's compute runs alone, ms."""
+SLOWDOWN_MESSAGE_BYTES = 1 << 22
+"""Message size of the slowdown probe's transfers (4 MiB)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +76,8 @@ class LinkProbe:
     ``PAIR_PROBES`` tries)."""
     round_ms: tuple[tuple[int, float], ...]
     """(message bytes, median ms of one round on the busiest rank) per size."""
+    overlap_slowdown: float = 0.0
+    """Extra compute time per millisecond of transfers running beside it (module docstring; 0: not probed)."""
 
     def host_links(self, world: int) -> Links:
         """The links of ``world`` ranks sharing this host (the probe's ranks: gloo on one CPU machine): each
@@ -71,14 +85,14 @@ class LinkProbe:
         probed latency and fresh-memory rate."""
         return Links(gpus_per_node=world, intra_gbps=self.pair_gbps, inter_gbps=self.pair_gbps,
                      latency_us=self.latency_us, fresh_gbps=self.fresh_gbps, freed_gbps=self.freed_gbps,
-                     warm_gbps=self.warm_gbps,
-                     host_gbps=world * self.gbps)
+                     warm_gbps=self.warm_gbps, host_gbps=world * self.gbps,
+                     overlap_slowdown=self.overlap_slowdown)
 
     def to_dict(self) -> dict:
         return {"gbps": self.gbps, "latency_us": self.latency_us, "fresh_gbps": self.fresh_gbps,
                 "freed_gbps": self.freed_gbps,
                 "warm_gbps": self.warm_gbps,
-                "pair_gbps": self.pair_gbps,
+                "pair_gbps": self.pair_gbps, "overlap_slowdown": self.overlap_slowdown,
                 "round_ms": [[n, round(ms, 4)] for n, ms in self.round_ms]}
 
 
@@ -111,7 +125,65 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
                      fresh_gbps=FRESH_PROBE_BYTES / (fresh * 1e6),
                      freed_gbps=FRESH_PROBE_BYTES / (max(freed, 1e-6) * 1e6),
                      warm_gbps=FRESH_PROBE_BYTES / (warm * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
-                     round_ms=tuple(rows))
+                     round_ms=tuple(rows), overlap_slowdown=overlap_slowdown(all_rounds, repeats, device))
+
+
+def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], repeats: int,
+                     device: torch.device | str) -> float:
+    """Collective: extra ms of compute per ms of ``transfers`` (one call moves one message each way per pair)
+    running beside it on a thread of their own, the busiest rank's medians over ``repeats`` timings
+    (module docstring)."""
+    device = torch.device(device)
+    a = torch.randn(256, 256, device=device) / 16
+    out = torch.empty_like(a)
+    send = torch.ones(SLOWDOWN_MESSAGE_BYTES // 4, device=device)
+    recv = torch.empty_like(send)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def compute(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, a, out=out)
+        sync()
+
+    def move(n: int) -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for _ in range(n):
+                transfers(send, recv)
+            if stream is not None:
+                stream.synchronize()
+
+    def busiest(ms: float) -> float:
+        return float(comm.all_reduce(torch.tensor([ms], dtype=torch.float64), op="max").item())
+
+    def timed(work: Callable[[], None]) -> float:
+        comm.barrier()
+        started = time.perf_counter()
+        work()
+        return (time.perf_counter() - started) * 1e3
+
+    compute(4)  # warm-up
+    per_mm = busiest(timed(lambda: compute(20)) / 20)
+    mms = max(1, int(SLOWDOWN_COMPUTE_MS / max(per_mm, 1e-3)))
+    per_round = busiest(timed(lambda: move(1)))
+    rounds = max(1, int(SLOWDOWN_COMPUTE_MS / 2 / max(per_round, 1e-3)))
+    alone, beside, moving = [], [], []
+    for _ in range(repeats):
+        alone.append(timed(lambda: compute(mms)))
+        moving.append(timed(lambda: move(rounds)))
+        thread = threading.Thread(target=move, args=(rounds,), name="hydraulis-slowdown-probe")
+        comm.barrier()
+        started = time.perf_counter()
+        thread.start()
+        compute(mms)
+        beside.append((time.perf_counter() - started) * 1e3)
+        thread.join()
+    c, m = busiest(statistics.median(alone)), busiest(statistics.median(moving))
+    b = busiest(statistics.median(beside))
+    return max(0.0, (b - c) / min(m, c))
 
 
 def _add_passes(source: torch.Tensor, into: torch.Tensor) -> None:

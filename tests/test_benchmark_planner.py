@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from benchmarks.planner import main
 
 
@@ -17,11 +15,13 @@ def test_smoke_writes_stamped_json_and_plot(tmp_path, capsys):
             assert key in record
         assert record["policies"]["hydraulis"]["est_step_ms_mean"] <= record["policies"]["homogeneous-token"][
             "est_step_ms_mean"]
-    assert ignored["config"].endswith("movement ignored") and charged["config"].endswith("movement charged")
+    assert ignored["config"].endswith("movement ignored")
+    assert charged["config"].endswith("movement charged (overlapped)")  # as the default runtime moves
     assert (ignored["movement"]["charged"], charged["movement"]["charged"]) == (False, True)
     fixed = [r["policies"]["homogeneous-token"] for r in (ignored, charged)]  # the same strategy and batches
-    assert fixed[1]["est_step_ms_mean"] == pytest.approx(fixed[0]["est_step_ms_mean"] + fixed[0]["est_comm_ms_mean"],
-                                                         abs=2e-3)
+    # overlapped: more than the compute, less than the compute plus the whole (plain) movement
+    assert fixed[0]["est_step_ms_mean"] < fixed[1]["est_step_ms_mean"] < (fixed[0]["est_step_ms_mean"]
+                                                                           + fixed[0]["est_comm_ms_mean"])
     png = (tmp_path / "planner.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

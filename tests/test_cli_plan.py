@@ -19,7 +19,7 @@ def test_json_summary_has_every_field(capsys):
         assert key in out
     assert out["any_schedule_bound_ms_mean"] <= out["lower_bound_ms_mean"]
     assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 38400
-    assert out["movement"] == {"charged": True, "mode": "plain", "param_bytes": 2, "reduce_bytes": 4,
+    assert out["movement"] == {"charged": True, "mode": "overlapped", "param_bytes": 2, "reduce_bytes": 4,
                                "floor_ms": out["movement"]["floor_ms"],
                                "links": {"gpus_per_node": 8, "intra_gbps": 200.0, "inter_gbps": 25.0,
                                          "latency_us": 10.0, "overlap_slowdown": 0.05}}
@@ -51,9 +51,10 @@ def test_json_summary_has_every_field(capsys):
 
 
 def test_movement_ignored_estimates_compute_only(capsys):
-    assert main(["plan", *FAST, "--json", "--movement", "ignored", "--policy", "homogeneous-token"]) == 0
+    plain = ["--movement-mode", "plain"]  # the plain runtime's movement adds to the compute
+    assert main(["plan", *FAST, "--json", "--movement", "ignored", "--policy", "homogeneous-token", *plain]) == 0
     blind = json.loads(capsys.readouterr().out)
-    assert main(["plan", *FAST, "--json", "--policy", "homogeneous-token"]) == 0
+    assert main(["plan", *FAST, "--json", "--policy", "homogeneous-token", *plain]) == 0
     charged = json.loads(capsys.readouterr().out)
     assert blind["movement"]["charged"] is False and charged["movement"]["charged"] is True
     a, b = blind["policies"]["homogeneous-token"], charged["policies"]["homogeneous-token"]
@@ -74,7 +75,7 @@ def _default_and(capsys, *extra: str) -> tuple[dict, dict]:
 
 
 def test_overlapped_movement_mode_charges_what_the_micro_batches_do_not_cover(capsys):
-    plain, overlapped = _default_and(capsys, "--movement-mode", "overlapped")
+    overlapped, plain = _default_and(capsys, "--movement-mode", "plain")  # the default runtime overlaps
     assert (plain["movement"]["mode"], overlapped["movement"]["mode"]) == ("plain", "overlapped")
     a, b = plain["policies"]["homogeneous-token"], overlapped["policies"]["homogeneous-token"]
     assert 0 < b["est_comm_ms_mean"] < a["est_comm_ms_mean"]  # the same strategy, most of its movement hidden

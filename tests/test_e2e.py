@@ -58,6 +58,9 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
     for step in steps:
         assert len(step["pull_ms"]) == len(step["push_ms"]) == 2 and min(step["pull_ms"]) > 0
         assert step["pred_pull_ms"] > 0 and step["pred_push_ms"] > 0
+        # the default runtime overlaps: its predicted exposure is under the whole movement, and it is measured
+        assert step["movement_mode"] == "overlapped" and len(step["wait_ms"]) == 2
+        assert 0 < step["pred_move_ms"] < step["pred_pull_ms"] + step["pred_push_ms"] + step["pred_ms"]
     # the same batches for every policy
     tokens = {p: [s["tokens"] for s in steps if s["policy"] == p] for p in summary["policies"]}
     assert tokens["hydraulis"] == tokens["homogeneous-token"]

@@ -1,5 +1,5 @@
 """``python -m benchmarks.overlap --smoke``: both movement modes train the same (equal losses), every timing is
-there and positive, the rows are stamped; bad arguments exit 2."""
+there and positive, the prediction is made on the probed links, the rows are stamped; bad arguments exit 2."""
 
 from __future__ import annotations
 
@@ -21,11 +21,16 @@ def test_smoke_rows_have_both_modes_training_alike(tmp_path, capsys):
         assert row[f"{mode}_exposed_ms"] >= row[f"{mode}_pull_ms"]
     assert row["rounds_wait_ms"] == 0.0  # nothing waits inside the compute when the pull is done before it
     assert row["exposed_ratio"] == pytest.approx(row["overlap_exposed_ms"] / row["rounds_exposed_ms"])
+    # the planner's overlapped charge on the probed links, beside what overlapping measurably added
+    assert row["pred_added_ms"] > 0 and row["compute_ms"] > 0 and row["slowdown"] > 0 and row["windows"] >= 1
+    assert row["pred_over_measured"] == pytest.approx(row["pred_added_ms"] / row["measured_added_ms"])
+    assert row["links"]["overlap_slowdown"] == row["slowdown"]
     (line,) = [json.loads(x) for x in (tmp_path / "overlap.jsonl").read_text().splitlines()]
     assert {"commit", "device", "model", "strategy", "exposed_ratio"} <= set(line)
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--out", "FILE"]])
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--out", "FILE"], ["--strategy", "2x(tp1)"],
+                                  ["--strategy", "4x(tq1)"]])
 def test_bad_arguments_exit_2(tmp_path, capsys, argv):
     file = tmp_path / "f"
     file.write_text("")

@@ -91,6 +91,26 @@ def test_slowdown_stretches_the_compute_beside_transfers():
     assert 0 < gained <= 0.1 * min(100.0, busy) + 1e-9
 
 
+def test_a_later_stage_transfers_in_the_pipeline_fill_and_drain_without_slowing_its_compute():
+    """Pipeline slots where a stage waits cover its transfers: with a first and last micro-batch long enough that
+    the second stage's pull and push fit in its fill and drain, only the first stage's transfers stretch the
+    replica's compute."""
+    from passes.plan.ir import ParallelScheme
+
+    layout = _llama([ParallelScheme(tp=2, pp=2)])
+    links = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)
+    strategy = Strategy.parse("1x(tp2,pp2)")
+    still = MovementCost(layout, links, mode="overlapped")
+    slowed = MovementCost(layout, links, mode="overlapped", slowdown=0.5)
+    t = still.time(strategy)
+    both = np.asarray(t.pull_ranks) + np.asarray(t.push_ranks)
+    stage, _ = still._rank_places(strategy)
+    long = 10 * float(both.max())  # every slot longer than any transfer
+    gained = slowed.step_ms(strategy, [1e6], [(long, long)]) - still.step_ms(strategy, [1e6], [(long, long)])
+    assert gained == pytest.approx(0.5 * float(both[stage == 0].max()))
+    assert float(both[stage == 1].max()) > 0  # the second stage moves too, in its slack
+
+
 def test_bad_settings_are_refused_by_name():
     layout = _llama(list(_cost_model().schemes))
     links = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)

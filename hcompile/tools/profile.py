@@ -379,13 +379,15 @@ class ProfileReport:
             links = {}
         elif self.job.device == "cuda":
             links = {"intra_gbps": round(self.links.gbps, 4), "latency_us": round(self.links.latency_us, 2),
-                     "inter_gbps": round(self.network_gbps or self.links.gbps, 4)}
+                     "inter_gbps": round(self.network_gbps or self.links.gbps, 4),
+                     "overlap_slowdown": round(self.links.overlap_slowdown, 4)}
         else:  # the probe's ranks share this host (``LinkProbe.host_links``)
             host = self.links.host_links(max(2, *self.job.tps))
             links = {"intra_gbps": round(host.intra_gbps, 4), "latency_us": round(host.latency_us, 2),
                      "inter_gbps": round(host.inter_gbps, 4), "fresh_gbps": round(self.links.fresh_gbps, 4),
                      "freed_gbps": round(self.links.freed_gbps, 4), "warm_gbps": round(self.links.warm_gbps, 4),
-                     "host_gbps": round(host.host_gbps or 0.0, 4)}
+                     "host_gbps": round(host.host_gbps or 0.0, 4),
+                     "overlap_slowdown": round(self.links.overlap_slowdown, 4)}
         return {
             "hardware": {"name": self.job.device, "gpu": self.device, "gpus_per_node": self.job.gpus,
                          "memory_bound_mib": bound_mib, "reserved_mib_per_gpu": 0.0, **links},

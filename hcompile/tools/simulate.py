@@ -79,7 +79,7 @@ class PlanJob:
     reduce_dtype: str = "fp32"
     """The dtype gradients travel to their owners in (``TrainOptions.reduce_dtype``): ``fp32`` or ``bf16`` (half
     the push's bytes, as Megatron's default)."""
-    movement_mode: str = "plain"
+    movement_mode: str = "overlapped"
     """The runtime whose movement is modelled (``passes.plan.movement.MOVEMENT_MODES``): ``plain`` (pull before
     the compute, push after it) or ``overlapped`` (``TrainOptions(overlap_movement=True)``)."""
     context_parallel: str = "auto"

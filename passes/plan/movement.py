@@ -519,7 +519,8 @@ class MovementCost:
     def step_ms(self, strategy: Strategy, replica_ms: list[float], edges: list[tuple[float, float]]) -> float:
         """The step of a plan of ``strategy`` with movement: plain, its slowest replica (``replica_ms``, in
         ``strategy.replicas()`` order) plus :meth:`exposed_ms`; overlapped, per replica its compute, stretched by
-        ``slowdown`` while its transfers run, plus its ranks' largest stall and tail
+        ``slowdown`` while its transfers run beside it (not while a stage waits in the pipeline's fill or
+        drain), plus its ranks' largest stall and tail
         (:func:`overlapped_exposure`, with ``edges``: per replica the time of its first and last micro-batch on
         one stage), the slowest of them."""
         if self.mode == "plain" or strategy.gpus < 2:
@@ -531,9 +532,13 @@ class MovementCost:
         for ranks, (f, b) in zip(members, edges):
             first[ranks], last[ranks] = f, b
         stall, tail = overlapped_exposure(pull, push, stage, first, last, self.windows)
+        # transfers slow the compute only where they overlap it: not while a later stage waits for the pipeline
+        # to fill (its pull) or an earlier one finishes the last backwards (its push)
+        beside = (np.maximum(0.0, pull - stage * FORWARD_SHARE * first)
+                  + np.maximum(0.0, push - stage * (1 - FORWARD_SHARE) * last))
         worst = 0.0
         for ranks, ms in zip(members, replica_ms):
-            busy = float((pull[ranks] + push[ranks]).max(initial=0.0))
+            busy = float(beside[ranks].max(initial=0.0))
             worst = max(worst, ms + self.slowdown * min(ms, busy) + float(stall[ranks].max(initial=0.0))
                         + float(tail[ranks].max(initial=0.0)))
         return worst
