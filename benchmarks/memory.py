@@ -16,6 +16,10 @@ per rank:
 "before" is the previous runtime's movement re-enacted on the same layout by the same meters: every rank
 all-gathers the whole fp32 vector, copies its slices from it, and all-reduces a full-size gradient buffer.
 
+The runtime measured is the plain one (``TrainOptions(overlap_movement=False)``), whose movement phases can be
+timed apart from the compute; what the default overlapped runtime adds to the step, predicted against measured,
+is ``benchmarks.overlap``'s.
+
 Time of the movement, predicted against measured, per strategy: once every strategy has compiled, the links
 between these ranks are probed (``runtime.link_probe``: the movement's rounds of pairs for a few message sizes, a
 latency and a bandwidth fitted; the rates of writing new memory and of adding written memory), the planner
@@ -157,6 +161,8 @@ PROBE_REPEATS = 15
 """Timings per figure of the link probe, after every strategy has compiled (with the probe's default 5, its
 every-rank bandwidth and new-memory rate varied by up to 30% from run to run on 4 ranks sharing 2 cores; with
 15, by under 10%)."""
+SMOKE_PROBE_REPEATS = 3
+"""Timings per figure of the probe in ``--smoke`` (CI checks the figures are there, not their precision)."""
 
 
 class PhaseClock:
@@ -191,7 +197,8 @@ def _timed_movement(trainer, cfg: LlamaConfig, strategy: str, first_batch: int) 
     return statistics.median(pulls), statistics.median(pushes)
 
 
-def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) -> list[dict]:
+def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...],
+          probe_repeats: int = PROBE_REPEATS) -> list[dict]:
     import hcompile
     from hcompile.cost import compute_layout
     from hcompile.models import Llama
@@ -204,11 +211,12 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...]) 
         model = Llama(cfg)
     trainer = hcompile.compile(model, buckets=TokenBuckets.powers_of_two(32, 256)).trainer(
         loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=list(strategies),
-        tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02))
+        tokens_per_rank=64, calibrate=False, init=hcompile.normal_init(0.02),
+        overlap_movement=False)  # the phases timed apart: the plain runtime (overlapped: benchmarks.overlap)
     layout, executor = trainer.layout, trainer.executor
     for i, strategy in enumerate(strategies):
         trainer.train_step(_batch(cfg, 2 * i), strategy=strategy)  # compiles what the strategy needs
-    probe = probe_links(repeats=PROBE_REPEATS)
+    probe = probe_links(repeats=probe_repeats)
     links = probe.host_links(world)
     parsed = [Strategy.parse(s) for s in strategies]
     compute = compute_layout(trainer.lowerings, layout, sorted({s for p in parsed for s in p.schemes}))
@@ -278,13 +286,14 @@ mapped anew; which, depends on the order of everything the step allocated, and n
 it (on 4 ranks the movement of 1x(tp2,pp2) took 134 ms under the default and 283 ms under these settings)."""
 
 
-def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4, allocator: bool = True) -> list[dict]:
+def run(cfg: LlamaConfig, strategies: tuple[str, ...], world: int = 4, allocator: bool = True,
+        probe_repeats: int = PROBE_REPEATS) -> list[dict]:
     """Every (strategy, rank) row, measured on ``world`` local ranks (under :data:`FRESH_ALLOCATOR` unless
-    ``allocator`` is False)."""
+    ``allocator`` is False), the links probed with ``probe_repeats`` timings per figure."""
     from hcompile.tools.spawn import run_local_ranks
 
     with mock.patch.dict(os.environ, FRESH_ALLOCATOR if allocator else {}):  # the spawned ranks inherit it
-        per_rank = run_local_ranks(world, _rank, cfg, strategies, timeout_s=1200)
+        per_rank = run_local_ranks(world, _rank, cfg, strategies, probe_repeats, timeout_s=1200)
     return [row for rows in zip(*per_rank) for row in rows]
 
 
@@ -348,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.provenance import commit
 
     cfg, strategies = (SMOKE_MODEL, SMOKE_STRATEGIES) if args.smoke else (MODEL, STRATEGIES)
-    rows = run(cfg, strategies, allocator=not args.default_allocator)
+    rows = run(cfg, strategies, allocator=not args.default_allocator,
+               probe_repeats=SMOKE_PROBE_REPEATS if args.smoke else PROBE_REPEATS)
     params = sum(r["slice_bytes"] for r in rows if r["strategy"] == "4x(tp1)" and r["rank"] == 0) // 4
     summary = {"benchmark": "memory", "commit": commit(), "device": device_name(), "smoke": args.smoke,
                "allocator": "default" if args.default_allocator else "fresh",

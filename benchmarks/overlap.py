@@ -40,7 +40,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.memory import FRESH_ALLOCATOR, MODEL, SMOKE_MODEL, PhaseClock, _batch
+from benchmarks.memory import FRESH_ALLOCATOR, MODEL, SMOKE_MODEL, SMOKE_PROBE_REPEATS, PhaseClock, _batch
 from hcompile.models import LlamaConfig
 
 STRATEGIES = ("4x(tp1)", "2x(tp2)", "1x(tp2,pp2)", "1x(tp2)+2x(tp1)")
@@ -52,7 +52,8 @@ PROBE_REPEATS = 15
 MODES = ("rounds", "overlap")
 
 
-def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], steps: int) -> list[dict]:
+def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], steps: int,
+          probe_repeats: int) -> list[dict]:
     import hcompile
     from hcompile.models import Llama
     from passes.graph.variant import TokenBuckets
@@ -71,7 +72,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
     for i, strategy in enumerate(strategies):  # warm-up: compiles what each strategy needs
         for mode in MODES:
             trainers[mode].train_step(_batch(cfg, 1000 * i), strategy=strategy)
-    probe = probe_links(repeats=PROBE_REPEATS)
+    probe = probe_links(repeats=probe_repeats)
     rows = []
     for i, strategy in enumerate(strategies):
         measured: dict[str, list] = {mode: [] for mode in MODES}
@@ -154,12 +155,14 @@ def _predicted(trainer, strategy: str, links, rounds: list[dict]) -> dict:
             "windows": cost.windows}
 
 
-def run(cfg: LlamaConfig, strategies: tuple[str, ...], steps: int = TIMED_STEPS, world: int = 4) -> list[dict]:
-    """One row per strategy, measured on ``world`` local ranks."""
+def run(cfg: LlamaConfig, strategies: tuple[str, ...], steps: int = TIMED_STEPS, world: int = 4,
+        probe_repeats: int = PROBE_REPEATS) -> list[dict]:
+    """One row per strategy, measured on ``world`` local ranks, the links probed with ``probe_repeats`` timings
+    per figure."""
     from hcompile.tools.spawn import run_local_ranks
 
     with mock.patch.dict(os.environ, FRESH_ALLOCATOR):  # as benchmarks.memory: the buffers the model counts
-        return run_local_ranks(world, _rank, cfg, strategies, steps, timeout_s=2400)[0]
+        return run_local_ranks(world, _rank, cfg, strategies, steps, probe_repeats, timeout_s=2400)[0]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--strategy {text!r} uses {gpus} ranks, expected 4", file=sys.stderr)
                 return 2
         strategies = tuple(args.strategy)
-    rows = run(cfg, strategies, args.steps)
+    rows = run(cfg, strategies, args.steps, probe_repeats=SMOKE_PROBE_REPEATS if args.smoke else PROBE_REPEATS)
     summary = {"benchmark": "overlap", "commit": commit(), "device": device_name(), "smoke": args.smoke,
                "model": asdict(cfg), "ranks": 4, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
