@@ -12,8 +12,9 @@ each in fp32 against single-process SGD on the same GPU (the loss and every para
 another order). Then the first strategy trains a few steps with plain and with overlapped movement, and the part
 reports both step times, how long the forward waited for its parameters, and each rank's memory peak against
 the memory model's prediction (``passes.plan.memory``: the states of the rank's scheme and its micro-batch's
-activations), which must not be exceeded. The job runs on gloo CPU ranks too (the tests do), without the
-memory line.
+activations), which must not be exceeded; and the compute's slowdown beside transfers, probed
+(``runtime.link_probe``), against what the GPU presets assume (``passes.plan.links.OVERLAP_SLOWDOWN``). The
+job runs on gloo CPU ranks too (the tests do), without the memory line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from passes.plan.links import OVERLAP_SLOWDOWN
 
 __all__ = ["multi_strategies", "multi_gpu_job", "multi_gpu_checks", "TOLERANCE"]
 
@@ -127,6 +130,9 @@ def multi_gpu_job(rank: int, world: int, steps: int = 4) -> dict[str, Any]:
             predicted = rank_state_bytes(held, scheme, world, runtime) + bucket * scheme.tp * held.per_token(scheme)
             record.update(peak_gib=torch.cuda.max_memory_allocated(device) / 2**30, predicted_gib=predicted / 2**30)
         out["movement"]["overlapped" if overlap else "plain"] = record
+    from runtime.link_probe import probe_links  # the GPU presets assume it; here it is measured
+
+    out["overlap_slowdown"] = probe_links(repeats=3, device=device).overlap_slowdown
     return out
 
 
@@ -147,9 +153,12 @@ def multi_gpu_checks(results: Sequence[dict[str, Any]], world: int) -> list:
     overlapped = [r["movement"]["overlapped"] for r in results]
     numbers = {"plain_ms": round(max(m["step_ms"] for m in plain), 1),
                "overlapped_ms": round(max(m["step_ms"] for m in overlapped), 1),
-               "waited_ms": round(max(m["pull_wait_ms"] for m in overlapped), 1)}
+               "waited_ms": round(max(m["pull_wait_ms"] for m in overlapped), 1),
+               "slowdown": round(results[0]["overlap_slowdown"], 3), "slowdown_assumed": OVERLAP_SLOWDOWN}
     checks.append(Check(part="e", name="movement overlapped with compute", passed=True, numbers=numbers,
-                        detail="step times of the slowest rank; waited: the forward waiting for its parameters"))
+                        detail="step times of the slowest rank; waited: the forward waiting for its parameters; "
+                               "slowdown: extra compute ms per ms of transfers beside it (runtime.link_probe), "
+                               "against what the GPU presets assume"))
     peaks = [m for m in plain + overlapped if "peak_gib" in m]
     if peaks:
         over = [m for m in peaks if m["peak_gib"] > m["predicted_gib"]]

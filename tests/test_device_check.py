@@ -268,7 +268,8 @@ def test_part_d_fails_on_a_profile_that_does_not_run_or_does_not_plan(tmp_path):
 
 def test_part_e_trains_every_strategy_equal_to_one_device_on_two_cpu_ranks(tmp_path):
     """Part (e)'s job on gloo CPU ranks: tp2 and a two-stage pipeline with several micro-batches equal to
-    single-process SGD, plain and overlapped movement timed; its lines pass (no memory line off a GPU)."""
+    single-process SGD, plain and overlapped movement timed, the compute's slowdown beside transfers probed; its
+    lines pass (no memory line off a GPU)."""
     from dist_util import run_ranks
 
     from benchmarks.device_multi import multi_gpu_checks, multi_gpu_job
@@ -279,3 +280,5 @@ def test_part_e_trains_every_strategy_equal_to_one_device_on_two_cpu_ranks(tmp_p
                                         "movement overlapped with compute"]
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
     assert checks[1].numbers["micro_batches"] >= 2
+    # the slowdown the GPU presets assume, probed where the job runs (2 ranks sharing this host's cores)
+    assert checks[2].numbers["slowdown"] > 0 and checks[2].numbers["slowdown_assumed"] == 0.05

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from passes.plan.ir import PlanError
 
-__all__ = ["Links", "LINK_PRESETS", "link_preset"]
+__all__ = ["Links", "LINK_PRESETS", "OVERLAP_SLOWDOWN", "link_preset"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,22 +102,22 @@ _NDR_GBPS = 400 / 8
 """One 400 Gb/s InfiniBand NDR port per GPU (DGX H100/H200), GB/s one direction."""
 _LATENCY_US = 10.0
 """A message's start-up (assumed: the order of a small NCCL transfer)."""
-_OVERLAP_SLOWDOWN = 0.05
+OVERLAP_SLOWDOWN = 0.05
 """Compute beside transfers (assumed, unmeasured: NCCL's point-to-point kernels hold a few of the GPU's SMs and a
-share of its memory bandwidth while they run; ``python -m benchmarks.device_check`` part (e) measures the
-overlapped step on a GPU)."""
+share of its memory bandwidth while they run; ``python -m benchmarks.device_check`` part (e) times the
+overlapped step on GPUs and probes the slowdown there, ``runtime.link_probe.overlap_slowdown``)."""
 
 LINK_PRESETS: Mapping[str, Links] = MappingProxyType({
     "a100-40g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US,
-                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+                      overlap_slowdown=OVERLAP_SLOWDOWN),
     "a100-80g": Links(gpus_per_node=8, intra_gbps=300.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US,
-                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+                      overlap_slowdown=OVERLAP_SLOWDOWN),
     "a800-80g": Links(gpus_per_node=8, intra_gbps=200.0, inter_gbps=_HDR_GBPS, latency_us=_LATENCY_US,
-                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+                      overlap_slowdown=OVERLAP_SLOWDOWN),
     "h100-80g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US,
-                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+                      overlap_slowdown=OVERLAP_SLOWDOWN),
     "h200-141g": Links(gpus_per_node=8, intra_gbps=450.0, inter_gbps=_NDR_GBPS, latency_us=_LATENCY_US,
-                      overlap_slowdown=_OVERLAP_SLOWDOWN),
+                      overlap_slowdown=OVERLAP_SLOWDOWN),
 })
 """Per GPU preset: NVLink one direction (half the datasheets' bidirectional figure) inside a node of eight,
 one InfiniBand port per GPU between nodes, compute 5% slower beside transfers (assumed)."""

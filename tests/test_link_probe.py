@@ -1,0 +1,32 @@
+"""``runtime.link_probe.overlap_slowdown`` on 2 gloo ranks: transfers that take no CPU (a sleep) cost the compute
+beside them almost nothing; transfers that hold the interpreter (a busy Python loop, as gloo's copies hold cores
+here) cost it about their own time. The figure the planner's overlapped model stretches compute by."""
+
+from __future__ import annotations
+
+import time
+
+from dist_util import run_ranks
+
+
+def _sleeping(send, recv) -> None:
+    time.sleep(0.004)
+
+
+def _busy(send, recv) -> None:
+    until = time.perf_counter() + 0.004
+    while time.perf_counter() < until:  # holds the GIL the compute thread needs between its kernels
+        pass
+
+
+def _slowdowns(rank, world):
+    from runtime.link_probe import overlap_slowdown
+
+    return overlap_slowdown(_sleeping, 3, "cpu"), overlap_slowdown(_busy, 3, "cpu")
+
+
+def test_the_slowdown_is_what_transfers_take_from_the_compute(tmp_path):
+    for idle, busy in run_ranks(2, tmp_path, _slowdowns, timeout_s=240):
+        assert idle < 0.3, idle
+        assert busy > 0.5, busy
+        assert busy > idle + 0.3
