@@ -19,13 +19,14 @@ from passes.graph.hardware import hardware_for_device
 from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
-from passes.plan.ir import CostModel, ParallelScheme, StepPlan, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, StepPlan, Strategy
 from passes.plan.memory import ModelMemory
 from passes.plan.movement import ComputeLayout, compute_scheme, merged
 from runtime.fixed_layout import FixedLayout
 
 __all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
-           "add_listed_cp_schemes", "token_ranks", "refuse_regrouped", "refuse_context_parallel_model"]
+           "add_listed_cp_schemes", "add_needed_cp_schemes", "token_ranks", "refuse_regrouped",
+           "refuse_context_parallel_model"]
 
 ANALYSIS_TOKENS = 64
 """Tokens of the capture that graph analysis (cost model, tensor-parallel split dims, vocabulary) reads."""
@@ -70,22 +71,45 @@ def token_ranks(scheme: ParallelScheme) -> int:
 
 def add_listed_cp_schemes(model: CostModel, strategies: str | Sequence[str]) -> CostModel:
     """``model`` with an entry for every context-parallel scheme the listed ``strategies`` name (none for
-    "auto": the trainer plans CP only where it is listed), derived from its (tp, pp) scheme's: the per-token and
-    attention work split over the cp ranks (the layout gives each the same causal work), the fixed cost and
-    the K/V all-gather not modelled (a CPU job's listed strategy is run as listed; ``hcompile plan`` models CP
-    at scale), ``cp`` times the tokens. A listed CP scheme whose (tp, pp) scheme the model lacks is left to
+    "auto": :func:`add_needed_cp_schemes` decides those once the data is known), derived from its (tp, pp)
+    scheme's (:func:`_derived_cp`). A listed CP scheme whose (tp, pp) scheme the model lacks is left to
     :func:`check_strategies` to refuse."""
     if strategies == "auto":
         return model
+    wanted = [s for text in strategies for s in Strategy.parse(text).schemes if s.cp > 1]
+    return _with_derived_cp(model, wanted)
+
+
+def add_needed_cp_schemes(model: CostModel, world: int, longest: int) -> CostModel:
+    """``strategies="auto"``: ``model`` with the context-parallel schemes a sequence of ``longest`` tokens needs,
+    when it is longer than every scheme without CP holds (``passes.plan.context_parallel.needs_cp``): for every
+    (tp) scheme, ``(tp, cp)`` for each power of two cp from 2 up to the least that holds it, within ``world``
+    ranks (``cp_schemes``), derived as :func:`_derived_cp` derives them; ``model`` itself otherwise."""
+    from passes.plan.context_parallel import cp_schemes, needs_cp
+
+    if not needs_cp(model, world, longest):
+        return model
+    return _with_derived_cp(model, [ParallelScheme(tp=base.tp, pp=base.pp, cp=cp)
+                                    for base, cp in cp_schemes(model, world, longest)])
+
+
+def _with_derived_cp(model: CostModel, schemes: Sequence[ParallelScheme]) -> CostModel:
     known = {e.scheme: e for e in model.entries}
     added = {}
-    for text in strategies:
-        for scheme in Strategy.parse(text).schemes:
-            base = known.get(ParallelScheme(tp=scheme.tp, pp=scheme.pp))
-            if scheme.cp > 1 and scheme not in known and base is not None:
-                added[scheme] = dataclasses.replace(base, scheme=scheme, a=base.a / scheme.cp, b=base.b / scheme.cp,
-                                                    max_tokens=base.max_tokens * scheme.cp)
+    for scheme in schemes:
+        base = known.get(ParallelScheme(tp=scheme.tp, pp=scheme.pp))
+        if scheme not in known and base is not None:
+            added[scheme] = _derived_cp(base, scheme.cp)
     return dataclasses.replace(model, entries=model.entries + tuple(added.values())) if added else model
+
+
+def _derived_cp(base: SchemeCost, cp: int) -> SchemeCost:
+    """A (tp, pp, cp) scheme's cost from its (tp, pp) scheme's: the per-token and attention work split over the cp
+    ranks (the layout gives each the same causal work), the fixed cost and the K/V all-gather not modelled (a CPU
+    job runs what it plans; ``hcompile plan`` models CP at scale), ``cp`` times the tokens (each rank holds the
+    base scheme's share)."""
+    return dataclasses.replace(base, scheme=dataclasses.replace(base.scheme, cp=cp), a=base.a / cp, b=base.b / cp,
+                               max_tokens=base.max_tokens * cp)
 
 
 def cap_tokens(model: CostModel, caps: Mapping[ParallelScheme, int]) -> CostModel:
@@ -128,13 +152,15 @@ def refuse_regrouped(plan: StepPlan) -> None:
 
 
 def refuse_context_parallel_model(model: CostModel) -> None:
-    """A ValueError for a given cost model with context-parallel schemes: the trainer plans CP only where a
-    listed strategy names it (``add_listed_cp_schemes``), never on its own."""
+    """A ValueError for a given cost model with context-parallel schemes: the trainer derives its CP schemes
+    itself, where a listed strategy names them (``add_listed_cp_schemes``) or, with ``strategies="auto"``, where
+    the data needs them (``add_needed_cp_schemes``)."""
     bad = [e.scheme.describe() for e in model.entries if e.scheme.cp > 1]
     if bad:
         raise ValueError(f"cost model {model.name!r} has context-parallel schemes {', '.join(bad)}: the trainer "
-                         "plans CP only for listed strategies (list e.g. strategies=['1x(cp2)+2x(tp1)'] and give a "
-                         "cost model with cp1 schemes)")
+                         "derives its CP schemes itself, for listed strategies (e.g. strategies=['1x(cp2)+2x(tp1)']) "
+                         "or, with strategies='auto', where a sequence needs them; give a cost model with cp1 "
+                         "schemes")
 
 
 def compute_layout(lowerings: LoweringCache, layout: FixedLayout,

@@ -22,6 +22,7 @@ from hcompile.capture import CaptureError
 from hcompile.cost import (
     ANALYSIS_TOKENS,
     add_listed_cp_schemes,
+    add_needed_cp_schemes,
     cap_tokens,
     check_strategies,
     default_cost_model,
@@ -84,8 +85,10 @@ class TrainOptions:
     """Keyword arguments of the optimiser."""
     strategies: str | tuple[str, ...] = "auto"
     """``auto`` (a pool built from the data; each step may also use another mix of the pool's schemes, which
-    compiles nothing new) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)")`` (or one, ``"4x(tp1)"``),
-    used as listed."""
+    compiles nothing new; where the data's longest sequence, or the first batch's without a dataset, is longer
+    than every scheme holds, context-parallel schemes ``(tp, cp)`` join the pool, ``hcompile.cost.
+    add_needed_cp_schemes``) or strategies such as ``("4x(tp1)", "1x(tp2)+2x(tp1)", "1x(tp2,cp2)")`` (or one,
+    ``"4x(tp1)"``), used as listed."""
     tokens_per_rank: int | None = None
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
     None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
@@ -342,9 +345,12 @@ class Trainer:
         if self._service is None:
             if self._restored_pool is not None:  # resumed: the pool the run started with
                 pool, fixed = self._restored_pool
+                self._extend_cost_model(add_listed_cp_schemes(self.cost_model, [s.describe() for s in [*pool, fixed]]))
             else:
                 data = self.dataset or LengthDataset.from_lengths("first-batch", list(seq_lens))
                 longest = max(data.max_len, max(seq_lens))
+                if self.options.strategies == "auto":  # CP where a sequence is longer than every scheme holds
+                    self._extend_cost_model(add_needed_cp_schemes(self.cost_model, self.ctx.world_size, longest))
                 fixed = sized_homogeneous(self.cost_model, self.ctx.world_size, longest)
                 if self.options.strategies == "auto":
                     pool = build_pool(self.cost_model, self.ctx.world_size, data, sum(seq_lens), fixed)
@@ -359,6 +365,16 @@ class Trainer:
                 self._service.set_cost_model(self.calibration.model())
             self.warm_up([*pool, fixed])
         return self._service
+
+    def _extend_cost_model(self, model: CostModel) -> None:
+        """Plan with ``model``, this trainer's cost model with context-parallel schemes added: the lowerings cost
+        and the calibration scales its schemes too."""
+        if model is self.cost_model:
+            return
+        self.cost_model = model
+        self.lowerings.cost_tokens = model.max_tokens
+        if self.calibration is not None:
+            self.calibration.base = model
 
     def _compiled_placement(self, strategy: Strategy) -> bool:
         """Whether every replica of ``strategy`` lands on ranks where a warmed strategy has the same scheme's

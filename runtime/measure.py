@@ -79,7 +79,8 @@ class StepStats:
     includes its wait for the later ones (0 in a dry run)."""
     pull_wait_ms: tuple[float, ...] = ()
     """Per rank, with overlapped movement: host wall time its compute waited for parameter windows still
-    travelling, ms (inside the compute phase; under NCCL the wait is the stream's and this stays near 0)."""
+    travelling, ms (inside the compute phase; on GPUs too: the progress thread reports a window in place once its
+    stream has synchronized, and the compute thread launches the kernels that read it after that)."""
     grad_norm: float = 0.0
     """L2 norm of the step's summed gradient (every rank's shard), read before the optimiser steps (0 in a dry
     run)."""
