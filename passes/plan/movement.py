@@ -508,13 +508,20 @@ class MovementCost:
     def exposed_ms(self, strategy: Strategy) -> float:
         """Step time the movement of ``strategy`` adds: plain, all of it; overlapped, the least a plan of it
         exposes where nothing covers the first window's pull and the last window's push (the busiest rank's
-        pull and push over the windows): what the pool and the ranking score it by, and the charge of plans
+        pull and push over the windows), plus ``slowdown`` times the transfers of the replica that moves least
+        (what its compute pays beside them): what the pool and the ranking score it by, and the charge of plans
         whose micro-batches the model does not see (``dynamic-cp``'s regrouped slots)."""
         t = self.time(strategy)
         if self.mode == "plain":
             return t.total_ms
         both = np.asarray(t.pull_ranks) + np.asarray(t.push_ranks)
-        return float(both.max(initial=0.0)) / self.windows
+        if not self.slowdown or strategy.gpus < 2:
+            return float(both.max(initial=0.0)) / self.windows
+        # and the slowdown every replica's compute pays beside its transfers, at least that of the one moving least
+        # (a replica computes at least as long as its transfers run at the scales planned)
+        _, members = self._rank_places(strategy)
+        least = min((float(both[r].max(initial=0.0)) for r in members), default=0.0)
+        return float(both.max(initial=0.0)) / self.windows + self.slowdown * least
 
     def step_ms(self, strategy: Strategy, replica_ms: list[float], edges: list[tuple[float, float]]) -> float:
         """The step of a plan of ``strategy`` with movement: plain, its slowest replica (``replica_ms``, in
