@@ -285,8 +285,7 @@ def _policy_summary(rec: dict) -> dict:
     busy = [np.asarray(s["busy_ms"]) for s in steps]
     one_core = [float(b.max()) for b in busy]
     # movement: the slowest pull, and the push of the rank that reached it last (the others' include their wait)
-    measured_move = [max(p + w for p, w in zip(s["pull_ms"], s.get("wait_ms") or [0.0] * len(s["pull_ms"])))
-                     + min(s["push_ms"]) for s in steps]
+    measured_move = [max(p + w for p, w in zip(s["pull_ms"], s["wait_ms"])) + min(s["push_ms"]) for s in steps]
     moved = all(s.get("pred_move_ms") is not None for s in steps)
     pred_move = [s["pred_move_ms"] if moved else 0.0 for s in steps]
     step_ratios = [(s["pred_ms"] + p) / (m + (q if moved else 0.0))

@@ -18,7 +18,7 @@ from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, StepPlan
 from passes.plan.links import Links
 
-__all__ = ["RankJob", "rank_main", "predicted_ms"]
+__all__ = ["RankJob", "rank_main", "predicted_replicas", "predicted_move_ms"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,16 +61,11 @@ class RankJob:
     builds its own."""
 
 
-def predicted_ms(cost_model: CostModel, plan: StepPlan, buckets: TokenBuckets) -> list[float]:
-    """Per replica, the cost model's time of its micro-batches as the runtime executes them: each padded
-    up to its token bucket by one extra sequence."""
-    return [ms for ms, _ in _predicted_replicas(cost_model, plan, buckets)]
-
-
-def _predicted_replicas(cost_model: CostModel, plan: StepPlan,
-                        buckets: TokenBuckets) -> list[tuple[float, tuple[float, float]]]:
-    """Per replica, :func:`predicted_ms` and the predicted time of its first and last micro-batch (what the
-    overlapped movement's model reads, ``MovementCost.step_ms``)."""
+def predicted_replicas(cost_model: CostModel, plan: StepPlan,
+                       buckets: TokenBuckets) -> list[tuple[float, tuple[float, float]]]:
+    """Per replica, the cost model's time of its micro-batches as the runtime executes them (each padded up to its
+    token bucket by one extra sequence), and the time of its first and last micro-batch (what the overlapped
+    movement's model reads, ``MovementCost.step_ms``)."""
     executed = dataclasses.replace(cost_model, buckets=buckets.sizes)
     out = []
     for r in plan.replicas:
@@ -137,18 +132,7 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
     builds = trainer.lowerings.compilations()
     movement = None
     if job.links is not None:  # the planner's replay of this runtime's movement, on the profiled links
-        from hcompile.cost import compute_layout
-        from passes.plan.movement import MovementCost
-
-        schemes = sorted({s for strategy in strategies for s in strategy.schemes})
-        size = torch.empty((), dtype=trainer.executor.param_dtype).element_size()
-        reduce = torch.empty((), dtype=trainer.executor.reduce_dtype).element_size()
-        overlapped = trainer.executor.overlap
-        movement = MovementCost(compute_layout(trainer.lowerings, trainer.layout, schemes), job.links,
-                                param_bytes=size, reduce_bytes=reduce, chunk_numel=trainer.executor.chunk_numel,
-                                mode="overlapped" if overlapped else "plain",
-                                windows=max(1, len(trainer.executor.windows)),
-                                slowdown=job.links.overlap_slowdown if overlapped else 0.0)
+        movement = trainer.movement_cost({s for strategy in strategies for s in strategy.schemes}, job.links)
     return {"trainer": trainer, "buckets": buckets, "pool": [s.describe() for s in planner.pool], "movement": movement,
             "fixed": planner.fixed.describe(), "compile_s": time.perf_counter() - started,
             "builds_before_steps": builds, "warm_compilations": builds, "steps": [],
@@ -164,7 +148,7 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     if i == job.warmup - 1:
         state["warm_compilations"] = stats.compilations
     if i >= job.warmup:
-        record = _step_record(i, stats, plan, wall, _predicted_replicas(trainer.cost_model, plan, state["buckets"]),
+        record = _step_record(i, stats, plan, wall, predicted_replicas(trainer.cost_model, plan, state["buckets"]),
                               state["movement"])
         if trainer.calibration is not None:  # rank 0: the factors the next plans use
             record["calibration"] = {s.describe(): round(f, 4) for s, f in trainer.calibration.factors.items()}

@@ -191,10 +191,18 @@ def _timed_movement(trainer, cfg: LlamaConfig, strategy: str, first_batch: int) 
         trainer.executor.hooks.insert(0, clock)
         trainer.train_step(_batch(cfg, first_batch + k), strategy=strategy)
         trainer.executor.hooks.remove(clock)
-        every = comm.all_gather_object(clock.at)
-        pulls.append(1e3 * (max(a["compute"] for a in every) - min(a["pull"] for a in every)))
-        pushes.append(1e3 * (max(a["optimizer"] for a in every) - min(a["push"] for a in every)))
+        pull, push = barrier_phases_ms(comm.all_gather_object(clock.at))
+        pulls.append(pull)
+        pushes.append(push)
     return statistics.median(pulls), statistics.median(pushes)
+
+
+def barrier_phases_ms(every: list[dict]) -> tuple[float, float]:
+    """The pull and the push (ms) as every rank's :class:`PhaseClock` timed them: from the barrier until the last
+    rank computes, and until the last rank reaches its optimiser."""
+    pull = max(a["compute"] for a in every) - min(a["pull"] for a in every)
+    push = max(a["optimizer"] for a in every) - min(a["push"] for a in every)
+    return 1e3 * pull, 1e3 * push
 
 
 def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...],

@@ -40,15 +40,22 @@ from unittest import mock
 
 import torch
 
-from benchmarks.memory import FRESH_ALLOCATOR, MODEL, SMOKE_MODEL, SMOKE_PROBE_REPEATS, PhaseClock, _batch
+from benchmarks.memory import (
+    FRESH_ALLOCATOR,
+    MODEL,
+    PROBE_REPEATS,
+    SMOKE_MODEL,
+    SMOKE_PROBE_REPEATS,
+    PhaseClock,
+    _batch,
+    barrier_phases_ms,
+)
 from hcompile.models import LlamaConfig
 
 STRATEGIES = ("4x(tp1)", "2x(tp2)", "1x(tp2,pp2)", "1x(tp2)+2x(tp1)")
 SMOKE_STRATEGIES = ("1x(tp2)+2x(tp1)",)
 TIMED_STEPS = 4
 """Timed steps per strategy and mode (after one warm-up step each)."""
-PROBE_REPEATS = 15
-"""Timings per figure of the link probe (as ``benchmarks.memory``)."""
 MODES = ("rounds", "overlap")
 
 
@@ -85,16 +92,17 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
                 stats = trainers[mode].train_step(batch, strategy=strategy)
                 if mode == "rounds":
                     trainers[mode].executor.hooks.remove(clock)
-                every = comm.all_gather_object(clock.at)
-                walls = comm.all_gather_object(stats.wall_ms)
-                computes = comm.all_gather_object(stats.compute_window[1] - stats.compute_window[0])
+                every = comm.all_gather_object((clock.at, stats.wall_ms,
+                                                stats.compute_window[1] - stats.compute_window[0]))
+                walls = [wall for _, wall, _ in every]
                 exposed = [p + w + q for p, w, q in zip(stats.pull_ms, stats.pull_wait_ms or [0.0] * world,
                                                         stats.push_ms)]
                 measured[mode].append({"loss": stats.loss, "wall_ms": max(walls), "exposed_ms": max(exposed),
                                        "pull_ms": max(stats.pull_ms), "push_ms": max(stats.push_ms),
                                        "wait_ms": max(stats.pull_wait_ms or [0.0]),
-                                       "moved_ms": _barrier_phases_ms(every) if clock.at else 0.0,
-                                       "compute_ms": [1e3 * c for c in computes],
+                                       "moved_ms": sum(barrier_phases_ms([at for at, _, _ in every]))
+                                       if clock.at else 0.0,
+                                       "compute_ms": [1e3 * c for _, _, c in every],
                                        "plan": trainers[mode].last_plan.plan})
         predicted = _predicted(trainers["overlap"], strategy, probe.host_links(world), measured["rounds"])
         if rank == 0:
@@ -114,29 +122,14 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
     return rows
 
 
-def _barrier_phases_ms(every: list[dict]) -> float:
-    """The pull and the push as every rank's ``PhaseClock`` timed them: from the barrier until the last rank
-    computes, and until the last rank reaches its optimiser."""
-    pull = max(a["compute"] for a in every) - min(a["pull"] for a in every)
-    push = max(a["optimizer"] for a in every) - min(a["push"] for a in every)
-    return 1e3 * (pull + push)
-
-
 def _predicted(trainer, strategy: str, links, rounds: list[dict]) -> dict:
     """The planner's overlapped charge of ``strategy`` on ``links``, with each replica's compute as the rounds
     measured it (the median over steps of its ranks' longest compute phase), its first and last micro-batch
     that compute's share by tokens (1F1B: ``sum t_j + (pp - 1) max t_j``)."""
-    from hcompile.cost import compute_layout
     from passes.plan.ir import Strategy
-    from passes.plan.movement import MovementCost
 
     parsed = Strategy.parse(strategy)
-    executor = trainer.executor
-    size = torch.empty((), dtype=executor.param_dtype).element_size()
-    reduce = torch.empty((), dtype=executor.reduce_dtype).element_size()
-    cost = MovementCost(compute_layout(trainer.lowerings, trainer.layout, list(parsed.schemes)), links,
-                        param_bytes=size, reduce_bytes=reduce, chunk_numel=executor.chunk_numel, mode="overlapped",
-                        windows=max(1, len(executor.windows)), slowdown=links.overlap_slowdown)
+    cost = trainer.movement_cost(parsed.schemes, links)
     added, computes = [], []
     for step in rounds:
         plan = step["plan"]

@@ -25,6 +25,7 @@ from hcompile.cost import (
     add_needed_cp_schemes,
     cap_tokens,
     check_strategies,
+    compute_layout,
     default_cost_model,
     refuse_context_parallel_model,
     refuse_regrouped,
@@ -42,6 +43,8 @@ from passes.graph.tensor_parallel import split_dims
 from passes.graph.variant import TokenBuckets
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
+from passes.plan.links import Links
+from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, placed_replicas
 from passes.plan.policies import POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
@@ -380,6 +383,18 @@ class Trainer:
         """Whether every replica of ``strategy`` lands on ranks where a warmed strategy has the same scheme's
         replica: then every variant, TP group and compute copy it needs exists already (no new compilation)."""
         return all(place in self._warm_places for place in zip(strategy.replicas(), self._placement(strategy)))
+
+    def movement_cost(self, schemes: Iterable[ParallelScheme], links: Links) -> MovementCost:
+        """The planner's model of this trainer's movement (``passes.plan.movement.MovementCost``) for strategies of
+        ``schemes`` on ``links``: its layout, dtypes and chunk, and its runtime (overlapped, with its windows and
+        ``links.overlap_slowdown``, or plain)."""
+        executor = self.executor
+        overlapped = executor.overlap
+        return MovementCost(compute_layout(self.lowerings, self.layout, sorted(set(schemes))), links,
+                            param_bytes=_bytes(executor.param_dtype), reduce_bytes=_bytes(executor.reduce_dtype),
+                            chunk_numel=executor.chunk_numel, mode="overlapped" if overlapped else "plain",
+                            windows=max(1, len(executor.windows)),
+                            slowdown=links.overlap_slowdown if overlapped else 0.0)
 
     def program(self, plan: StepPlan) -> StageVariants:
         """This rank's stage program in ``plan`` (collective the first time a placement is met: its process
