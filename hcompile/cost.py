@@ -25,7 +25,7 @@ from passes.plan.movement import ComputeLayout, compute_scheme, merged
 from runtime.fixed_layout import FixedLayout
 
 __all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
-           "add_listed_cp_schemes", "add_needed_cp_schemes", "token_ranks", "refuse_regrouped",
+           "add_listed_cp_schemes", "add_needed_cp_schemes", "token_ranks",
            "refuse_context_parallel_model"]
 
 ANALYSIS_TOKENS = 64
@@ -141,14 +141,6 @@ def check_strategies(strategies: str | tuple[str, ...], model: CostModel, graph:
             if scheme not in known:
                 raise ValueError(f"strategy {text!r}: {scheme.describe()} is not a scheme of the cost model "
                                  f"({', '.join(s.describe() for s in sorted(known, key=str))})")
-
-
-def refuse_regrouped(plan: StepPlan) -> None:
-    """A ValueError for a plan the runtime cannot run: ranks that regroup during the step (the ``dynamic-cp``
-    baseline of ``hcompile plan``, a CP group per sequence, is a plan to compare, not one to run)."""
-    if plan.regrouped:
-        raise ValueError(f"the {plan.policy} plan of {plan.strategy.describe()} regroups its ranks during the step, "
-                         "which the runtime cannot run (expected one replica per rank for the whole step)")
 
 
 def refuse_context_parallel_model(model: CostModel) -> None:

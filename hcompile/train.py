@@ -28,7 +28,6 @@ from hcompile.cost import (
     compute_layout,
     default_cost_model,
     refuse_context_parallel_model,
-    refuse_regrouped,
     token_ranks,
 )
 from hcompile.export import save_pretrained
@@ -42,7 +41,7 @@ from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import split_dims
 from passes.graph.variant import TokenBuckets
 from passes.plan.datasets import LengthDataset
-from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, Place, PlanError, StepPlan, Strategy
 from passes.plan.links import Links
 from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, placed_replicas
@@ -396,17 +395,42 @@ class Trainer:
                             windows=max(1, len(executor.windows)),
                             slowdown=links.overlap_slowdown if overlapped else 0.0)
 
-    def program(self, plan: StepPlan) -> StageVariants:
+    def program(self, plan: StepPlan) -> StageVariants | list[StageVariants]:
         """This rank's stage program in ``plan`` (collective the first time a placement is met: its process
-        groups are made on every rank); a plan whose ranks regroup during the step is a ValueError."""
-        refuse_regrouped(plan)
-        place = plan.place_of(self.ctx.rank)
+        groups are made on every rank); in a regrouped plan, a list: one per place of this rank
+        (``StepPlan.places_of``), in the order it runs them."""
         groups = self.executor.groups_for(plan)
+        if not plan.regrouped:
+            return self._program_at(plan, plan.place_of(self.ctx.rank), groups)
+        return [self._program_at(plan, place, groups) for place in plan.places_of(self.ctx.rank)]
+
+    def _program_at(self, plan: StepPlan, place: Place, groups) -> StageVariants:
         ranks = plan.replicas[place.replica]
         group = comm.group_name(groups.get(ranks.tp_group(place.stage, place.cp_rank)))
         cp_group = (comm.group_name(groups.get(ranks.cp_group(place.stage, place.tp_rank)))
                     if ranks.scheme.cp > 1 else None)
         return self.lowerings.program(ranks.scheme, place.stage, place.tp_rank, group, place.cp_rank, cp_group)
+
+    def train_plan(self, plan: StepPlan, batch: Sequence[torch.Tensor]) -> StepStats:
+        """Train one step of ``batch`` as ``plan`` says, a plan made elsewhere: by ``passes.plan.policies.Planner``
+        under any policy (``dynamic-cp``'s regrouped plans included, to compare real runs), or by hand (CP groups
+        of any size re-forming group after group on the ranks of one slot layout, ``StepPlan.regrouped``).
+        Every rank passes the same plan and batch; the batch's lengths must be the plan's ``seq_lens``. The
+        schemes the plan runs are warmed first, once each (lowered, self-checked on a probe and compiled on every
+        rank: a regrouped plan's schemes as the homogeneous strategies whose aligned groups it uses)."""
+        lens = self._check(batch)
+        if lens != tuple(plan.seq_lens):
+            raise ValueError(f"the batch's sequence lengths {list(lens)[:8]} are not the plan's {list(plan.seq_lens)[:8]}")
+        if global_pair_count(lens) == 0:
+            return self._skip(lens, None)
+        schemes = sorted(set(r.scheme for r in plan.replicas))
+        warm = ([Strategy.homogeneous(s, self.ctx.world_size) for s in schemes] if plan.regrouped
+                else [plan.strategy])
+        self._extend_cost_model(add_listed_cp_schemes(self.cost_model, [s.describe() for s in warm]))
+        self.warm_up(warm)
+        stats = self.executor.run_step(plan, batch, self.program(plan))
+        return dataclasses.replace(stats, compilations=self.lowerings.compilations(),
+                                   non_finite_skips=self.executor.non_finite_skips)
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
         """Lower, check and compile, before the first step, every variant these strategies can need: for each
@@ -511,7 +535,6 @@ class Trainer:
         if upcoming is not None and global_pair_count(upcoming) > 0:
             self._submit(upcoming, None)
         self.last_plan = planned
-        refuse_regrouped(planned.plan)
         stats = self.executor.run_step(planned.plan, batch, self.program(planned.plan))
         self._compute_end = stats.compute_window[1]
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model

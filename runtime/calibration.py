@@ -46,7 +46,10 @@ class OnlineCalibration:
         self._ratios: dict[ParallelScheme, deque[float]] = {}
 
     def observe(self, plan: StepPlan, busy_ms: Sequence[float]) -> None:
-        """Record one executed step: ``busy_ms`` per rank (``StepStats.busy_ms``)."""
+        """Record one executed step: ``busy_ms`` per rank (``StepStats.busy_ms``). A regrouped step is left out:
+        a rank's busy time there spans groups of several schemes, which it cannot be split between."""
+        if plan.regrouped:
+            return
         measured: dict[ParallelScheme, float] = {}
         predicted: dict[ParallelScheme, float] = {}
         for replica in plan.replicas:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from passes.graph.tensor_parallel import ParamSlice
-from passes.plan.ir import ParallelScheme, ReplicaPlan, StepPlan, Strategy
+from passes.plan.ir import ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
 from runtime import distributed as comm
 from runtime import micro_batch
 from runtime.cpu_clock import RankCpuClock
@@ -143,16 +143,19 @@ class Executor:
         self.hooks: list[PhaseHook] = [*hooks, StepMeter(self.cpu_clock, ctx.device)]
         """Called as a step enters each phase (``runtime.measure.PHASES``); the last is the meter whose
         statistics ``run_step`` returns. Instrumentation (memory per phase, ...) inserts before it."""
-        self._params: dict[tuple, tuple[StageProgram, StageParams]] = {}
+        self._params: dict[tuple, tuple[StageParams, dict, list[StageProgram]]] = {}
+        """Per position: the compute copy, the slices it holds, the programs bound to it."""
         self._moves: dict[Strategy, Redistribution] = {}
         self._checked: set[tuple[tuple[int, ...], ...]] = set()
 
     def groups_for(self, plan: StepPlan) -> GroupCache:
         """The process groups of ``plan``'s placement, made on first use (collective: every rank calls it with
-        the same plan)."""
+        the same plan). A regrouped plan's groups are checked to share each rank's parameter slice."""
         placement = tuple(r.ranks for r in plan.replicas)
         if placement not in self._checked:
-            check_placement(plan.replicas, self.cluster)
+            check_placement(plan.replicas, self.cluster, plan.regrouped)
+            if plan.regrouped and (problem := plan.slot_problem()) is not None:
+                raise PlanError(f"the {plan.policy} plan of {plan.strategy.describe()} cannot run: {problem}")
             self._checked.add(placement)
         self.groups.prepare(plan.replicas)
         return self.groups
@@ -161,15 +164,27 @@ class Executor:
         """The TP group of ``stage`` (at ``cp_rank``) of ``replica`` (None for one rank)."""
         return self.groups.get(replica.tp_group(stage, cp_rank))
 
-    def stage_params(self, program: StageProgram, scheme: ParallelScheme, position: tuple) -> StageParams:
-        """The compute copy of ``program``'s slices at ``position`` (made and bound once per position)."""
+    def stage_params(self, program: StageProgram, scheme: ParallelScheme, position: tuple,
+                     also: Sequence[StageProgram] = (), shared: bool = False) -> StageParams:
+        """The compute copy of ``program``'s slices at ``position``, made once per position and bound to the
+        programs it serves. ``also``: more programs that compute with the same slices (the groups of a regrouped
+        step), bound to the same copy; ``shared``: a new program at a known position joins its copy too (a
+        regrouped rank's slot) instead of replacing it. A program whose slices differ is a ValueError."""
         held = self._params.get(position)
-        if held is None or held[0] is not program:
+        if held is None or not (shared or any(p is program for p in held[2])):
             params = StageParams(self.layout, program.param_slices, scheme.tp, self.param_dtype, self.ctx.device,
                                  grad_dtype=self.grad_dtype)
-            program.bind(params.params)
-            self._params[position] = held = (program, params)
-        return held[1]
+            self._params[position] = held = (params, dict(program.param_slices), [])
+        copy, slices, bound = held
+        for other in (program, *also):
+            if any(other is p for p in bound):
+                continue
+            if dict(other.param_slices) != slices:
+                raise ValueError(f"the programs of one rank's groups must compute with the same parameter slices; "
+                                 f"{sorted(set(other.param_slices) ^ set(slices))[:3] or 'their ranges'} differ")
+            other.bind(copy.params)
+            bound.append(other)
+        return copy
 
     def redistribution(self, strategy: Strategy, params: StageParams) -> Redistribution:
         """The movement plan of ``strategy`` (built collectively on its first step, then cached)."""
@@ -177,18 +192,30 @@ class Executor:
             self._moves[strategy] = Redistribution.build(self.layout, params.ranges, self.chunk_numel)
         return self._moves[strategy]
 
-    def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor], program: StageProgram,
-                 dry_run: bool = False) -> StepStats:
+    def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor],
+                 program: StageProgram | Sequence[StageProgram], dry_run: bool = False) -> StepStats:
         """One training step: every rank calls it with the same plan and global batch, and the program of its
-        own place in the plan (``plan.position_of(rank)``). A dry run computes forward and backward
-        (compiling what it meets) but leaves parameters and optimiser alone."""
-        place = plan.place_of(self.ctx.rank)
-        replica, stage, tp_rank = place.replica, place.stage, place.tp_rank
+        own place in the plan (``plan.place_of(rank)``); in a regrouped plan, one program per place of the rank
+        (``plan.places_of(rank)``, the order it runs its groups in), all computing with one compute copy: the
+        parameters are pulled once, every group's gradients accumulate in it, and they are pushed once. A dry
+        run computes forward and backward (compiling what it meets) but leaves parameters and optimiser
+        alone."""
+        places = plan.places_of(self.ctx.rank)
+        programs = list(program) if isinstance(program, (list, tuple)) else [program]
+        if not places:
+            raise PlanError(f"rank {self.ctx.rank} is in no replica of {plan.strategy.describe()}")
+        if len(programs) != len(places) or (len(places) > 1 and not plan.regrouped):
+            raise ValueError(f"rank {self.ctx.rank} has {len(places)} place(s) in the plan and was given "
+                             f"{len(programs)} program(s); expected one per place")
         self.groups_for(plan)
-        ranks = plan.replicas[replica]
-        step = StepState(plan=plan, replica=replica, stage=stage, tp_rank=tp_rank, dry_run=dry_run)
-        params = self.stage_params(program, ranks.scheme, (ranks.scheme, stage, tp_rank, place.cp_rank,
-                                                           ranks.tp_group(stage, place.cp_rank)))
+        first, first_replica = places[0], plan.replicas[places[0].replica]
+        step = StepState(plan=plan, replica=first.replica, stage=first.stage, tp_rank=first.tp_rank, dry_run=dry_run)
+        scheme = first_replica.scheme
+        position = (scheme, first.stage, first.tp_rank, first.cp_rank, first_replica.tp_group(first.stage,
+                                                                                              first.cp_rank))
+        if plan.regrouped:  # keyed by the slot, whatever the CP size of the group the rank meets first
+            position = ("slot", scheme.tp, scheme.pp, first.stage, first.tp_rank, position[-1])
+        params = self.stage_params(programs[0], scheme, position, also=programs[1:], shared=plan.regrouped)
         move = self.redistribution(plan.strategy, params)
         self._phase("pull", step)
         flight: MovementInFlight | None = None
@@ -202,18 +229,26 @@ class Executor:
             else:
                 step.traffic = move.pull(self.layout, params.materialize())
                 params.zero_grads()
-        flow = _Flow(program, params, flight,
+        flow = _Flow(programs[0], params, flight,
                      self._windowed[plan.strategy].windows_of(params) if flight is not None else {})
         self._phase("pulled", step)
         self._phase("compute", step)
         pairs = global_pair_count(plan.seq_lens)
-        micro = self._micro_batches(batch, ranks, place.cp_rank, program)
+        micro = [self._micro_batches(batch, plan.replicas[p.replica], p.cp_rank, prog)
+                 for p, prog in zip(places, programs)]
+        busy = [k for k, m in enumerate(micro) if m]  # the first forward gates, the last backward reports
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         try:
             with record_function("hydraulis.compute"):
-                if ranks.scheme.pp == 1:
-                    loss_sum = self._run_local(program, micro, pairs, self.ctx.device, flow)
-                else:
-                    loss_sum = Pipeline(self.ctx.device, ranks, place).run(program, micro, pairs, flow)
+                for k, (place, prog) in enumerate(zip(places, programs)):
+                    replica = plan.replicas[place.replica]
+                    part = flow.part(prog, first=bool(busy) and k == busy[0], last=bool(busy) and k == busy[-1])
+                    if replica.scheme.pp == 1:
+                        loss = self._run_local(prog, micro[k], pairs, self.ctx.device, part)
+                    else:
+                        loss = Pipeline(self.ctx.device, replica, place).run(prog, micro[k], pairs, part)
+                    if place.stage == replica.scheme.pp - 1 and place.tp_rank == 0:  # each counted pair once
+                        loss_sum += loss
             if flight is not None:
                 flight.wait_all()
                 step.pull_wait_ms = flight.wait_s * 1e3
@@ -223,9 +258,8 @@ class Executor:
             raise
         finally:
             params.on_accumulated = None
-        counts = stage == ranks.scheme.pp - 1 and tp_rank == 0
-        step.loss_sum = loss_sum if counts else torch.zeros_like(loss_sum)
-        step.tokens_computed = sum(mb.tokens for mb in micro)
+        step.loss_sum = loss_sum
+        step.tokens_computed = sum(mb.tokens for m in micro for mb in m)
         self._phase("computed", step)
         params.release_data()  # backward is done: only the gradients are still needed
         if dry_run:
@@ -383,3 +417,22 @@ class _Flow:
     def backward(self, last: bool) -> None:
         if last and self.flight is not None and self.flight.params is not None:
             self.params.on_accumulated = self.flight.accumulated
+
+    def part(self, program: StageProgram, first: bool, last: bool) -> "_Flow":
+        """The flow of one of a rank's groups (a regrouped step runs several, with programs of their own): only
+        the first group that computes gates its first forward, only the last one reports its last backward."""
+        return _GroupFlow(self, program, first, last)
+
+
+class _GroupFlow(_Flow):
+    """One group's view of the step's flow (``_Flow.part``)."""
+
+    def __init__(self, whole: _Flow, program: StageProgram, first: bool, last: bool):
+        super().__init__(program, whole.params, whole.flight, whole.windows)
+        self.first_group, self.last_group = first, last
+
+    def forward(self, first: bool) -> ContextManager:
+        return super().forward(first and self.first_group)
+
+    def backward(self, last: bool) -> None:
+        super().backward(last and self.last_group)

@@ -250,6 +250,9 @@ class TakeTurns:
     core; the step's wall time becomes the sum of the replicas' times. Add it before the meter."""
 
     def __call__(self, phase: str, step: StepState) -> None:
+        if step.plan.regrouped:  # a rank's groups run one after another, with other ranks: no turn is its own
+            raise ValueError("replicas cannot take turns in a regrouped plan (its ranks join several groups); "
+                             "run it with replicas_take_turns=False")
         turns = len(step.plan.replicas)
         if phase == "compute":  # the earlier replicas' turns
             for _ in range(step.replica):

@@ -95,12 +95,16 @@ class Cluster:
         return worst
 
 
-def check_placement(replicas: Sequence[ReplicaPlan], cluster: Cluster) -> None:
-    """The planner's placement (``ReplicaPlan.ranks``) on this cluster: every rank once, and no TP group across a
-    node boundary it does not fill; otherwise a PlanError naming the group."""
+def check_placement(replicas: Sequence[ReplicaPlan], cluster: Cluster, regrouped: bool = False) -> None:
+    """The planner's placement (``ReplicaPlan.ranks``) on this cluster: every rank once (at least once when the
+    plan is ``regrouped``: its groups share ranks one after another), and no TP group across a node boundary it
+    does not fill; otherwise a PlanError naming the group."""
     ranks = sorted(r for replica in replicas for r in replica.ranks)
+    if regrouped:
+        ranks = sorted(set(ranks))
     if ranks != list(range(cluster.world_size)):
-        raise PlanError(f"the plan places its replicas on ranks {ranks}, the job has ranks 0..{cluster.world_size - 1}")
+        raise PlanError(f"the plan places its replicas on ranks {ranks}, the job has ranks 0..{cluster.world_size - 1}"
+                        + (" (a regrouped plan: each at least once)" if regrouped else ""))
     for replica in replicas:
         for group in replica.tp_groups:
             nodes = {cluster.node_of(r) for r in group}

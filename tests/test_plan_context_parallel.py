@@ -174,17 +174,22 @@ def test_plan_json_carries_the_cp_baselines(long_context_job):
     assert out["cp_fixed_strategy"] == report.cp_fixed.describe() and out["cp_base"] == report.cp_base.describe()
 
 
-def test_a_regrouped_plan_and_a_given_cost_model_with_cp_are_refused_by_the_trainer(long_context_job):
-    from hcompile.cost import refuse_context_parallel_model, refuse_regrouped
+def test_dynamic_cp_plans_are_runnable_and_a_given_cost_model_with_cp_is_refused(long_context_job):
+    """dynamic-cp's regrouped plans have the shape the runtime runs: every rank in a group (an idle slot in an
+    empty one), each rank computing with one slot's parameter slice in all of its groups."""
+    from hcompile.cost import refuse_context_parallel_model
+    from runtime.topology import Cluster, check_placement
 
     report, plans = long_context_job
     assert any(p.regrouped for p in plans) and any(not p.regrouped for p in plans)
+    gpus = report.job.gpus
+    cluster = Cluster(world_size=gpus, gpus_per_node=report.cost_model.gpus_per_node)
     for plan in plans:
+        check_placement(plan.replicas, cluster, plan.regrouped)
+        assert plan.slot_problem() is None
         if plan.regrouped:
-            with pytest.raises(ValueError, match="regroups its ranks during the step"):
-                refuse_regrouped(plan)
-        else:
-            refuse_regrouped(plan)  # CP replicas for the whole step: the runtime runs them
+            assert max(len(plan.places_of(r)) for r in range(gpus)) > 1
+            assert {s.cp for s in (r.scheme for r in plan.replicas)} != {1}
     with pytest.raises(ValueError, match=r"context-parallel schemes .*\(tp4,pp1,cp2\).*derives its CP schemes itself"):
         refuse_context_parallel_model(report.cost_model)
     refuse_context_parallel_model(BASE)

@@ -371,13 +371,13 @@ class StageVariants:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def bind(self, params: Mapping[str, nn.Parameter]) -> None:
-        """Compute with ``params`` (by name, shaped as the slices) from now on, in every token bucket."""
+        """Compute with ``params`` (by name, shaped as the slices) from now on, in every token bucket: each
+        bucket's variant takes them at its next run (when the runtime has filled them; they may be empty now)."""
         missing = sorted(set(self.param_slices) - set(params))
         if missing:
             raise KeyError(f"{self.lowering.describe()} needs parameters {missing[:5]}")
         self._params = dict(params)
-        for bucket in sorted(self._bound):
-            self._variant(bucket, rebind=True)
+        self._bound.clear()
 
     def _buffer(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """One copy per stage of each buffer: the model's own (a stand-in when captured for another dtype or
@@ -389,11 +389,11 @@ class StageVariants:
             self._buffers[name] = value.to(device=like.device if like is not None else value.device)
         return self._buffers[name]
 
-    def _variant(self, bucket: int, rebind: bool = False) -> Variant:
+    def _variant(self, bucket: int) -> Variant:
         lowering = self.lowering
         variant = self.cache.variant(lowering.scheme, lowering.stage, bucket, lowering.tp_rank, self.tp_group,
                                      lowering.cp_rank, lowering.cp_group)
-        if bucket not in self._bound or rebind:
+        if bucket not in self._bound:
             if self._params is None:
                 raise RuntimeError(f"{lowering.describe()} runs before bind()")
             variant.bind_(self._params, self._buffer)

@@ -31,7 +31,8 @@ class RegroupedSchedule:
     """A dynamic-cp step: its groups in the order they start, and its makespan."""
 
     replicas: tuple[ReplicaPlan, ...]
-    """One per CP group (one sequence each) and one per slot that runs one-slot sequences; ranks repeat."""
+    """One per CP group (one sequence each), one per slot that runs one-slot sequences and one per slot left
+    idle; ranks repeat, each rank's groups in the order it runs them."""
     makespan_ms: float
     """When the last slot finishes."""
 
@@ -99,6 +100,12 @@ def dynamic_cp_schedule(cost_model: CostModel, gpus: int, base: ParallelScheme,
             finish[k] += ms
             groups.append(ReplicaPlan(scheme=base, ranks=tuple(range(k * base.tp, (k + 1) * base.tp)), est_ms=ms,
                                       micro_batches=tuple(tuple(sorted(b)) for b in bins), max_tokens=kind.max_tokens))
+    busy = {r for g in groups for r in g.ranks}
+    for k in range(slots):  # a slot left without work still takes part in the step (its parameters, its push)
+        ranks = tuple(range(k * base.tp, (k + 1) * base.tp))
+        if ranks[0] not in busy:
+            groups.append(ReplicaPlan(scheme=base, ranks=ranks, est_ms=0.0, micro_batches=(),
+                                      max_tokens=kind.max_tokens))
     return RegroupedSchedule(replicas=tuple(groups), makespan_ms=float(finish.max()))
 
 

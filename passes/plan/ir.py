@@ -436,8 +436,9 @@ class StepPlan:
     """The exposed parameter and gradient movement included in ``est_step_ms`` (0 when not charged)."""
     regrouped: bool = False
     """True when ranks regroup during the step (the ``dynamic-cp`` baseline: a CP group per sequence, groups
-    one after another on shared ranks; ``strategy`` is then the TP layout of the slots): a plan to compare, which
-    the runtime cannot run."""
+    one after another on shared ranks). ``strategy`` is then the layout of the slots: every rank computes with
+    its slot's parameter slice in every group it joins (:meth:`slot_problem`), and runs its groups in the
+    order of ``replicas`` (:meth:`places_of`)."""
 
     @property
     def num_gpus(self) -> int:
@@ -451,15 +452,42 @@ class StepPlan:
         return place.replica, place.stage, place.tp_rank
 
     def place_of(self, rank: int) -> "Place":
-        """Where global ``rank`` is in the plan: replica, pipeline stage, CP rank, TP rank."""
+        """Where global ``rank`` is in the plan: replica, pipeline stage, CP rank, TP rank (a regrouped plan has
+        several: :meth:`places_of`)."""
         if self.regrouped:
             raise PlanError(f"a {self.policy} plan regroups its ranks during the step; no rank has one place")
+        places = self.places_of(rank)
+        if not places:
+            raise PlanError(f"rank {rank} is in no replica of {self.strategy.describe()}")
+        return places[0]
+
+    def places_of(self, rank: int) -> tuple["Place", ...]:
+        """Every place of global ``rank`` in the plan, in the order of ``replicas`` (the order a rank of a
+        regrouped plan runs its groups in; one place otherwise)."""
+        places = []
         for index, replica in enumerate(self.replicas):
             if rank in replica.ranks:
                 at = replica.ranks.index(rank)
                 tp, cp = replica.scheme.tp, replica.scheme.cp
-                return Place(replica=index, stage=at // (tp * cp), cp_rank=at // tp % cp, tp_rank=at % tp)
-        raise PlanError(f"rank {rank} is in no replica of {self.strategy.describe()}")
+                places.append(Place(replica=index, stage=at // (tp * cp), cp_rank=at // tp % cp, tp_rank=at % tp))
+        return tuple(places)
+
+    def slot_problem(self) -> str | None:
+        """What stops a rank from computing with one parameter slice in every group it joins (None: nothing): in
+        a regrouped plan each of a rank's groups must give it the same pipeline stage of the same (tp, pp) and
+        the same TP group, so that nothing moves between its groups. One pass over the plan."""
+        seen: dict[int, tuple[tuple, int]] = {}
+        for index, replica in enumerate(self.replicas):
+            tp, pp, cp = replica.scheme.tp, replica.scheme.pp, replica.scheme.cp
+            for at, rank in enumerate(replica.ranks):
+                stage, cp_rank = at // (tp * cp), at // tp % cp
+                key = (tp, pp, stage, replica.tp_group(stage, cp_rank))
+                first, i = seen.setdefault(rank, (key, index))
+                if first != key:
+                    return (f"rank {rank} computes stage {first[2]} of (tp={first[0]}, pp={first[1]}) with TP group "
+                            f"{list(first[3])} in group {i} and stage {stage} of (tp={tp}, pp={pp}) with TP group "
+                            f"{list(key[3])} in group {index}: a rank's groups must share one parameter slice")
+        return None
 
     def to_dict(self, step: int | None = None) -> dict:
         """The JSON form of one ``--plans-out`` line."""
