@@ -82,6 +82,9 @@ class PlanJob:
     movement_mode: str = "overlapped"
     """The runtime whose movement is modelled (``passes.plan.movement.MOVEMENT_MODES``): ``plain`` (pull before
     the compute, push after it) or ``overlapped`` (``TrainOptions(overlap_movement=True)``)."""
+    regroup: bool = True
+    """Whether hydraulis also plans regrouped steps where context-parallel schemes are planned: CP groups
+    re-forming sequence by sequence inside groups of same-scheme slots (``passes.plan.regrouped``)."""
     context_parallel: str = "auto"
     """Context-parallel schemes (``passes.plan.context_parallel.CP_MODES``): ``auto`` plans them only when a
     sequence of the data is longer than every scheme without CP holds; ``on``; ``off``."""
@@ -280,7 +283,8 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers,
                       extra=pool_extra)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
-    planner = Planner(cost_model, job.gpus, pool, fixed, movement=charged)
+    planner = Planner(cost_model, job.gpus, pool, fixed, movement=charged,
+                      regroup=job.regroup and any(s.cp > 1 for s in cost_model.schemes))
     if any(s.cp > 1 for s in cost_model.schemes):
         _choose_cp_baselines(planner, dataset.max_len, batches[:_CP_TRIAL_BATCHES])
     return planner, dataset, batches

@@ -45,6 +45,7 @@ from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
+from passes.plan.regrouped import regrouped_schedule, slot_layout
 
 __all__ = ["POLICIES", "CP_POLICIES", "ALL_POLICIES", "Planner", "homogeneous_strategies", "sized_homogeneous"]
 
@@ -87,7 +88,7 @@ class Planner:
                  rounds: int = 64, prune_above: float = 1.02, refine: bool = True, refine_starts: int = 2,
                  full_at_least: int = 2, full_at_most: int = 16, allow: Callable[[Strategy], bool] | None = None,
                  movement: MovementCost | None = None, cp_fixed: Strategy | None = None,
-                 cp_base: ParallelScheme | None = None):
+                 cp_base: ParallelScheme | None = None, regroup: bool = False):
         self.cost_model, self.gpus, self.rounds, self.prune_above = cost_model, gpus, rounds, prune_above
         for name, value in (("refine_starts", refine_starts), ("full_at_least", full_at_least),
                             ("full_at_most", full_at_most)):
@@ -124,6 +125,12 @@ class Planner:
         self.movement_floor_ms = (0.0 if movement is None
                                   else movement.floor_ms(usable_schemes(cost_model, gpus), gpus))
         """Movement no strategy of this cluster avoids: added to every step's lower bound."""
+        self.regroup = regroup
+        """Whether ``hydraulis`` also plans regrouped steps (``passes.plan.regrouped``): CP groups re-forming
+        sequence by sequence inside the groups of same-scheme slots of its pool's slot layouts, taken where
+        their estimate is lower."""
+        self.layouts = self._slot_layouts() if regroup else []
+        """The slot layouts a regrouped step may use."""
 
     def move_ms(self, strategy: Strategy) -> float:
         """The exposed movement charged to ``strategy`` (0 without a movement cost)."""
@@ -152,7 +159,9 @@ class Planner:
         if policy not in ALL_POLICIES:
             raise PlanError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
         seq_lens = check_batch(list(seq_lens))
-        bound = self.bounds(seq_lens).best + self.movement_floor_ms
+        bounds = self.bounds(seq_lens)
+        # a regrouped plan is one schedule of many per step: only the any-schedule terms bound it
+        bound = (bounds.any_schedule if self.layouts and policy == "hydraulis" else bounds.best) + self.movement_floor_ms
         started = time.perf_counter()
         regrouped = False
         if strategy is None and policy in CP_POLICIES:
@@ -166,7 +175,18 @@ class Planner:
             best = self._baseline(policy, seq_lens)
         else:
             candidates = self.pool if policy == "hydraulis" else self.homogeneous
-            best = self._best_of(candidates, seq_lens, refine=self.refine and policy == "hydraulis")
+            try:
+                best = self._best_of(candidates, seq_lens, refine=self.refine and policy == "hydraulis")
+            except PlanError:
+                if not (policy == "hydraulis" and self.layouts):
+                    raise
+                best = None  # no strategy holds the batch for the whole step: regrouped CP groups may
+            if policy == "hydraulis" and self.layouts:
+                regrouped_best = self._best_regrouped(seq_lens)
+                if regrouped_best is not None and (best is None or regrouped_best.est_ms < best.est_ms - 1e-9):
+                    best, regrouped = regrouped_best, True
+            if best is None:
+                raise too_long_error(self.cost_model, self.gpus, max(seq_lens))
         solve_ms = (time.perf_counter() - started) * 1e3
         return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
                         est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms,
@@ -188,6 +208,47 @@ class Planner:
         move = self.move_ms(layout)  # overlapped: the least, with nothing covering (regrouped slots)
         return _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=schedule.makespan_ms + move,
                            move_ms=move)
+
+    def _slot_layouts(self) -> list[Strategy]:
+        """The slot layouts of the pool's strategies (``regrouped.slot_layout``) and the homogeneous layouts of
+        its TP schemes, each once."""
+        layouts: dict[Strategy, None] = {}
+        for strategy in self.pool:
+            layout = slot_layout(strategy)
+            if layout is not None:
+                layouts.setdefault(layout)
+                for scheme in layout.schemes:
+                    if self.gpus % scheme.gpus == 0:
+                        layouts.setdefault(Strategy.homogeneous(scheme, self.gpus))
+        return [s for s in layouts if not self.cost_model.fits(s)]
+
+    def _best_regrouped(self, seq_lens: list[int]) -> _Assignment | None:
+        """The best regrouped plan over the slot layouts, least CP groups and widened ones (None: no layout holds
+        the batch); movement is charged in order of the makespans, until a makespan alone is no better."""
+        layouts = list(self.layouts)
+        if self.cp_base is not None and (base := Strategy.homogeneous(self.cp_base, self.gpus)) not in layouts:
+            layouts.append(base)  # the homogeneous layout dynamic-cp regroups on, where one was chosen
+        memo: dict = {}
+        schedules = []
+        for layout, widen in ((layout, widen) for layout in layouts for widen in (False, True)):
+            try:
+                schedules.append(regrouped_schedule(self.cost_model, layout, seq_lens, widen, memo))
+            except PlanError:
+                continue
+        best = None
+        for schedule in sorted(schedules, key=lambda s: s.makespan_ms):
+            if best is not None and schedule.makespan_ms >= best.est_ms:
+                break  # movement only adds: none of the rest is better
+            layout = schedule.layout
+            if self.movement is None or self.movement.mode == "plain":
+                move = self.move_ms(layout)
+                est = schedule.makespan_ms + move
+            else:  # each slot a replica: busy until it finishes (its waits included), its first and last edge
+                est = self.movement.step_ms(layout, list(schedule.slot_ms), list(schedule.edges))
+                move = est - schedule.makespan_ms
+            if best is None or est < best.est_ms - 1e-9:
+                best = _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=est, move_ms=move)
+        return best
 
     def bounds(self, seq_lens: Sequence[int]) -> Bounds:
         """Every lower bound of the batch (``bounds.bound_terms``), kept for the last batch: the policies
