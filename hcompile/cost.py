@@ -19,7 +19,7 @@ from passes.graph.hardware import hardware_for_device
 from passes.graph.lowering import LoweringCache
 from passes.graph.normalize import canonical_graph
 from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
-from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, StepPlan, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
 from passes.plan.memory import ModelMemory
 from passes.plan.movement import ComputeLayout, compute_scheme, merged
 from runtime.fixed_layout import FixedLayout

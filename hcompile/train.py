@@ -45,7 +45,7 @@ from passes.plan.ir import CostModel, ParallelScheme, Place, PlanError, StepPlan
 from passes.plan.links import Links
 from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, placed_replicas
-from passes.plan.policies import POLICIES, Planner, sized_homogeneous
+from passes.plan.policies import ALL_POLICIES, CP_POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 from runtime import distributed as comm
 from runtime.batch_check import agree_on_batch
@@ -95,7 +95,11 @@ class TrainOptions:
     """Per-rank memory cap in tokens (a scheme with tensor-parallel degree tp holds tp times as many);
     None: the given cost model's caps, or 1024 tokens per rank with the default CPU cost model."""
     policy: str = "hydraulis"
-    """Planner policy (the baselines are available for side-by-side runs)."""
+    """Planner policy (the baselines are available for side-by-side runs, ``dynamic-cp`` and
+    ``homogeneous-cp`` too: their TP is chosen on the first batch)."""
+    regroup: bool = True
+    """Whether hydraulis may plan regrouped steps where the job has context-parallel schemes: CP groups that
+    re-form sequence by sequence inside groups of same-scheme replicas (``passes.plan.regrouped``)."""
     buckets: TokenBuckets | None = None
     """Token buckets micro-batches are padded to; default: the compiled model's, else powers of two from 64
     tokens. The trainer keeps its own and leaves the compiled model's alone."""
@@ -176,8 +180,8 @@ class TrainOptions:
         check_inflight_bytes(self.movement_inflight_bytes, "movement_inflight_bytes")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.policy not in ALL_POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(ALL_POLICIES)}")
         value = self.tokens_per_rank
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tokens_per_rank must be a positive integer or None, got {value!r}")
@@ -358,9 +362,12 @@ class Trainer:
                     pool = build_pool(self.cost_model, self.ctx.world_size, data, sum(seq_lens), fixed)
                 else:
                     pool = [Strategy.parse(s) for s in self.options.strategies]
+            cp = any(s.cp > 1 for s in self.cost_model.schemes)
             planner = Planner(self.cost_model, self.ctx.world_size, list(pool), fixed,
                               refine=self.options.strategies == "auto",  # a listed pool is kept as listed
-                              allow=self._compiled_placement)
+                              allow=self._compiled_placement, regroup=cp and self.options.regroup)
+            if self.options.policy in CP_POLICIES:  # the baselines' TP, chosen on the first batch
+                planner.choose_cp_baselines(max(seq_lens), [list(seq_lens)])
             self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
                                         timeout_s=self.plan_timeout_s)
             if self.calibration is not None and self.calibration.state_dict():  # resumed with measured ratios
@@ -420,17 +427,26 @@ class Trainer:
         rank: a regrouped plan's schemes as the homogeneous strategies whose aligned groups it uses)."""
         lens = self._check(batch)
         if lens != tuple(plan.seq_lens):
-            raise ValueError(f"the batch's sequence lengths {list(lens)[:8]} are not the plan's {list(plan.seq_lens)[:8]}")
+            raise ValueError(f"the batch's sequence lengths {list(lens)[:8]} are not the plan's "
+                             f"{list(plan.seq_lens)[:8]}")
         if global_pair_count(lens) == 0:
             return self._skip(lens, None)
-        schemes = sorted(set(r.scheme for r in plan.replicas))
-        warm = ([Strategy.homogeneous(s, self.ctx.world_size) for s in schemes] if plan.regrouped
-                else [plan.strategy])
-        self._extend_cost_model(add_listed_cp_schemes(self.cost_model, [s.describe() for s in warm]))
-        self.warm_up(warm)
+        self._warm_for(plan)
         stats = self.executor.run_step(plan, batch, self.program(plan))
         return dataclasses.replace(stats, compilations=self.lowerings.compilations(),
                                    non_finite_skips=self.executor.non_finite_skips)
+
+    def _warm_for(self, plan: StepPlan) -> None:
+        """Warm what ``plan`` runs, once (collective: every rank has the plan): its strategy, or for a regrouped
+        plan the homogeneous strategy of each scheme its groups use, whose aligned groups its own are; the cost
+        model learns the CP schemes first."""
+        schemes = sorted(set(r.scheme for r in plan.replicas))
+        warm = ([Strategy.homogeneous(s, self.ctx.world_size) for s in schemes] if plan.regrouped
+                else [plan.strategy])
+        if all(s in self._warm for s in warm):
+            return
+        self._extend_cost_model(add_listed_cp_schemes(self.cost_model, [s.describe() for s in warm]))
+        self.warm_up(warm)
 
     def warm_up(self, strategies: Sequence[Strategy]) -> None:
         """Lower, check and compile, before the first step, every variant these strategies can need: for each
@@ -535,6 +551,8 @@ class Trainer:
         if upcoming is not None and global_pair_count(upcoming) > 0:
             self._submit(upcoming, None)
         self.last_plan = planned
+        if planned.plan.regrouped or planned.plan.policy in CP_POLICIES:  # compiled and checked on first use
+            self._warm_for(planned.plan)
         stats = self.executor.run_step(planned.plan, batch, self.program(planned.plan))
         self._compute_end = stats.compute_window[1]
         if self.calibration is not None:  # plans submitted from the next step on use the corrected model

@@ -1,5 +1,5 @@
 """A heterogeneous step equals a single-device step: random strategies on 4 gloo ranks (tp1/tp2/tp4, pp1/pp2,
-cp2/cp4, mixed), random batches, caps small enough that replicas run several micro-batches in several token
+cp2/cp4, mixed, and regrouped steps whose CP groups re-form per sequence on a slot layout), random batches, caps small enough that replicas run several micro-batches in several token
 buckets, GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter), every rank's
 point-to-point operations in an order NCCL completes (``tests/p2p_order.py``). Also the case that exposed buckets
 sharing the model's Parameters: one rank, micro-batches in two buckets."""
@@ -26,13 +26,43 @@ MODELS = {
 # Every strategy of tp in {1, 2, 4} and pp in {1, 2} that 4 ranks can run, and context-parallel ones.
 STRATEGIES = ["4x(tp1)", "2x(tp2)", "1x(tp4)", "1x(tp2)+2x(tp1)", "2x(tp1,pp2)", "1x(tp1,pp2)+2x(tp1)",
               "1x(tp2,pp2)", "1x(tp1,pp2)+1x(tp2)", "1x(cp4)", "1x(tp2,cp2)", "1x(cp2)+2x(tp1)", "1x(pp2,cp2)"]
+# Regrouped steps (``StepPlan.regrouped``): on a slot layout, CP groups of aligned slots re-form per sequence
+# (``passes.plan.regrouped``), then each slot runs its own micro-batches.
+REGROUPED = ["regroup:4x(tp1)", "regroup:1x(tp2)+2x(tp1)", "regroup:2x(tp2)"]
 CAP = 24  # tokens per rank: a tp-t replica holds 24 t tokens per micro-batch
 BUCKETS = TokenBuckets(sizes=(8, 16, 24, 32, 48, 64, 96, 128, 192, 256))  # fine: micro-batches land in several
 
 
 def _cap(strategy: str) -> int:
-    """The longest sequence a strategy holds: its widest replica's cap (tp times cp ranks' tokens)."""
+    """The longest sequence a strategy holds: its widest replica's cap (tp times cp ranks' tokens); a regrouped
+    layout's, its widest CP group of one scheme's slots."""
+    if strategy.startswith("regroup:"):
+        layout = Strategy.parse(_layout(strategy))
+        return CAP * max(s.tp * _pow2_floor(n) for s, n in layout.parts)
     return CAP * max(s.tp * s.cp for s in Strategy.parse(strategy).replicas())
+
+
+def _layout(strategy: str) -> str:
+    return strategy.removeprefix("regroup:")
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _regrouped_plan(trainer, strategy: str, lens: list[int]):
+    """The regrouped plan of ``lens`` on the layout ``strategy`` names, on the trainer's cost model with the CP
+    schemes its slots can form."""
+    from hcompile.cost import add_listed_cp_schemes
+    from passes.plan.ir import StepPlan
+    from passes.plan.regrouped import regrouped_schedule
+
+    layout = Strategy.parse(_layout(strategy))
+    cp = [f"1x(tp{s.tp},cp{c})" for s, n in layout.parts for c in (2, 4) if c <= n]
+    model = add_listed_cp_schemes(trainer.cost_model, cp)
+    schedule = regrouped_schedule(model, layout, list(lens))
+    return StepPlan(strategy=layout, seq_lens=tuple(lens), replicas=schedule.replicas,
+                    est_step_ms=schedule.makespan_ms, lower_bound_ms=0.0, regrouped=True)
 
 
 def reference_sgd(model, batches, lr):
@@ -72,15 +102,19 @@ def _cases(cases, lr):
     for name, seed, steps, overlap in cases:
         trainer = hcompile.compile(_make(name, seed), buckets=BUCKETS).trainer(
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": lr},
-            strategies=sorted({s for s, _ in steps}), tokens_per_rank=CAP, calibrate=False,
+            strategies=sorted({_layout(s) for s, _ in steps}), tokens_per_rank=CAP, calibrate=False,
             overlap_movement=overlap)
         if overlap:
             trainer.executor.hooks.insert(0, LateOwner(0.1))  # the pieces must wait for what they read
         results = []
         for strategy, lens in steps:
             batch = _batch(name, seed, lens)
-            stats = trainer.train_step(batch, strategy=strategy)
-            plan = trainer.last_plan.plan
+            if strategy.startswith("regroup:"):
+                plan = _regrouped_plan(trainer, strategy, lens)
+                stats = trainer.train_plan(plan, batch)
+            else:
+                stats = trainer.train_step(batch, strategy=strategy)
+                plan = trainer.last_plan.plan
             buckets = [sorted({BUCKETS.bucket_for(sum(plan.seq_lens[i] for i in mb)) for mb in r.micro_batches})
                        for r in plan.replicas]
             results.append((stats.loss, stats.strategy, [len(r.micro_batches) for r in plan.replicas], buckets,
@@ -100,7 +134,7 @@ def cases(draw, name: str):
     movement overlaps the compute."""
     steps = []
     for _ in range(draw(st.integers(2, 3))):
-        strategy = draw(st.sampled_from(STRATEGIES))
+        strategy = draw(st.sampled_from(STRATEGIES + REGROUPED))
         longest = _cap(strategy)
         lens = draw(st.lists(st.integers(2, longest), min_size=8, max_size=16))
         steps.append((strategy, lens))
@@ -130,7 +164,8 @@ def _check(results, cases_, lr) -> list[int]:
 # them and its bucket (16 or 24 tokens) follows that sequence's length: every replica has several
 # micro-batches in several buckets.
 FIXED_STEPS = [("1x(tp2)+2x(tp1)", [14, 22, 15, 23, 13, 20, 16, 24, 40, 30, 45, 14, 19, 3, 2]),
-               ("1x(tp1,pp2)+1x(tp2)", [23, 14, 41, 15, 18, 13, 24, 35, 16, 21, 5, 33])]
+               ("1x(tp1,pp2)+1x(tp2)", [23, 14, 41, 15, 18, 13, 24, 35, 16, 21, 5, 33]),
+               ("regroup:4x(tp1)", [70, 40, 30, 14, 9, 22, 5, 16, 3, 11])]  # CP groups of 4 and 2, then alone
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

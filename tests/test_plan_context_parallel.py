@@ -127,7 +127,8 @@ def test_the_long_context_data_is_planned_every_sequence_once_within_memory(long
         for r in plan.replicas:
             for mb in r.micro_batches:
                 assert sum(plan.seq_lens[i] for i in mb) <= model.max_tokens(r.scheme)
-        assert plan.regrouped == (plan.policy == "dynamic-cp")
+        if plan.policy != "hydraulis":  # hydraulis may regroup too (test_regrouped_plans.py)
+            assert plan.regrouped == (plan.policy == "dynamic-cp")
         assert plan.est_step_ms > 0
     hydraulis = [p for p in plans if p.policy == "hydraulis"]
     assert all(p.est_step_ms >= p.lower_bound_ms * (1 - 1e-9) for p in hydraulis)

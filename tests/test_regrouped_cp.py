@@ -104,7 +104,7 @@ def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap):
     batches = [_batch(p.seq_lens, _vocab(name)) for p in steps]
     model = _model(name) if name == "gpt" else _HFLogits(_model(name))
     losses, states = reference_sgd(model, batches, 0.5)
-    for step, plan in enumerate(steps):
+    for step in range(len(steps)):
         for out, _ in per_rank:
             loss, computed, state = out[step]
             assert loss == pytest.approx(losses[step], rel=1e-5), (step, loss, losses[step])
@@ -135,3 +135,50 @@ def test_a_rank_whose_groups_hold_different_slices_is_named():
     ])
     problem = bad.slot_problem()
     assert problem is not None and "rank 1" in problem and "one parameter slice" in problem
+
+
+POLICY_STEPS = [[80, 9, 14, 6, 17, 11, 20, 5, 3, 12], [50, 44, 20, 7, 15, 9]]
+"""An 80-token document (four tp1 slots hold it) beside short ones; then two that need two slots each."""
+
+
+def _two_heads() -> torch.nn.Module:
+    """Tensor parallelism up to 2 (48 tokens per replica): the 80-token document needs CP."""
+    return init_weights_(GPT(GPTConfig(layers=2, heads=2, hidden=32, vocab=VOCAB, block_size=256)), seed=5)
+
+
+def _train_policies(rank, world):
+    from p2p_order import P2PRecorder
+
+    import hcompile
+
+    compiled = hcompile.compile(_two_heads(), buckets=BUCKETS)
+    out = {}
+    with P2PRecorder() as rec:
+        for policy in ("hydraulis", "dynamic-cp", "homogeneous-cp"):
+            trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
+                                       tokens_per_rank=CAP, calibrate=False, policy=policy)
+            steps = []
+            for lens in POLICY_STEPS:
+                stats = trainer.train_step(_batch(tuple(lens), VOCAB))
+                steps.append((stats.loss, trainer.last_plan.plan.regrouped, trainer.full_state_dict()))
+            out[policy] = steps
+    return out, rec.ops
+
+
+def test_the_trainer_plans_and_runs_regrouped_steps_hydraulis_and_dynamic_cp(tmp_path):
+    """``strategies="auto"`` adds the CP schemes the 80-token document needs; the trainer plans and runs each
+    policy for real, the CP baselines with the TP they choose on the first batch: ``dynamic-cp`` regroups every
+    step, ``homogeneous-cp`` never does, hydraulis where its estimate says so (on this CPU cost model CP costs no
+    exchange, so one CP replica for the step is as fast: ``test_regrouped_plans.py`` has the GPU preset, where
+    it regroups); every step exact."""
+    per_rank = run_ranks(4, tmp_path, _train_policies, timeout_s=500)
+    assert p2p_problems([ops for _, ops in per_rank]) == []
+    losses, states = reference_sgd(_two_heads(), [_batch(tuple(lens), VOCAB) for lens in POLICY_STEPS], 0.5)
+    for out, _ in per_rank:
+        for policy, steps in out.items():
+            if policy != "hydraulis":
+                assert [regrouped for _, regrouped, _ in steps] == [policy == "dynamic-cp"] * 2, policy
+            for step, (loss, _, state) in enumerate(steps):
+                assert loss == pytest.approx(losses[step], rel=1e-5), (policy, step)
+                for n, p in states[step].items():
+                    torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"{policy} {step}: {n}")

@@ -27,7 +27,6 @@ from passes.plan.cost_model import (
 )
 from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file, sample_batches
 from passes.plan.diagnose import PARTS, StepDiagnosis, diagnose
-from passes.plan.dynamic_cp import cp_bases, homogeneous_cp_strategy
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
 from passes.plan.links import LINK_PRESETS, link_preset
 from passes.plan.movement import MOVEMENT_MODES, MovementCost, llama_compute_layout, movement_bytes
@@ -286,7 +285,7 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     planner = Planner(cost_model, job.gpus, pool, fixed, movement=charged,
                       regroup=job.regroup and any(s.cp > 1 for s in cost_model.schemes))
     if any(s.cp > 1 for s in cost_model.schemes):
-        _choose_cp_baselines(planner, dataset.max_len, batches[:_CP_TRIAL_BATCHES])
+        planner.choose_cp_baselines(dataset.max_len, batches[:_CP_TRIAL_BATCHES])
     return planner, dataset, batches
 
 
@@ -295,28 +294,6 @@ REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 _CP_TRIAL_BATCHES = 3
 """Batches the CP baselines' TP is chosen on."""
-
-
-def _choose_cp_baselines(planner: Planner, longest: int, trial: list[list[int]]) -> None:
-    """Give ``planner`` its CP baselines at their best: of the TP schemes that can hold ``longest``
-    (``dynamic_cp.cp_bases``), for each baseline the one whose plans of the ``trial`` batches are fastest on
-    average (as a user would tune the TP of a static configuration)."""
-    bases = cp_bases(planner.cost_model, planner.gpus, longest)
-    if not bases:
-        return
-
-    def mean_ms(policy: str) -> float:
-        return float(np.mean([planner.plan(batch, policy).est_step_ms for batch in trial]))
-
-    timed: dict[str, list[tuple[float, str, ParallelScheme]]] = {p: [] for p in CP_POLICIES}
-    for base in bases:
-        planner.cp_base = base
-        planner.cp_fixed = homogeneous_cp_strategy(planner.cost_model, planner.gpus, base, longest)
-        for policy in CP_POLICIES:
-            timed[policy].append((mean_ms(policy), base.describe(), base))
-    planner.cp_base = min(timed["dynamic-cp"])[2]
-    planner.cp_fixed = homogeneous_cp_strategy(planner.cost_model, planner.gpus, min(timed["homogeneous-cp"])[2],
-                                               longest)
 
 
 def movement_cost(profile: Profile, hardware: str, cost_model: CostModel, mode: str = "plain",

@@ -39,7 +39,7 @@ import numpy as np
 from passes.plan.assign import Kind, dispatch, first_fit
 from passes.plan.bounds import Bounds, bound_terms, lower_bound_ms
 from passes.plan.datasets import check_batch
-from passes.plan.dynamic_cp import dynamic_cp_schedule
+from passes.plan.dynamic_cp import cp_bases, dynamic_cp_schedule, homogeneous_cp_strategy
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, StepPlan, Strategy
 from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
@@ -161,7 +161,8 @@ class Planner:
         seq_lens = check_batch(list(seq_lens))
         bounds = self.bounds(seq_lens)
         # a regrouped plan is one schedule of many per step: only the any-schedule terms bound it
-        bound = (bounds.any_schedule if self.layouts and policy == "hydraulis" else bounds.best) + self.movement_floor_ms
+        regrouping = bool(self.layouts) and policy == "hydraulis"
+        bound = (bounds.any_schedule if regrouping else bounds.best) + self.movement_floor_ms
         started = time.perf_counter()
         regrouped = False
         if strategy is None and policy in CP_POLICIES:
@@ -208,6 +209,26 @@ class Planner:
         move = self.move_ms(layout)  # overlapped: the least, with nothing covering (regrouped slots)
         return _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=schedule.makespan_ms + move,
                            move_ms=move)
+
+    def choose_cp_baselines(self, longest: int, trial: list[list[int]]) -> None:
+        """Give this planner its CP baselines at their best: of the TP schemes that can hold ``longest``
+        (``dynamic_cp.cp_bases``), for each baseline the one whose plans of the ``trial`` batches are fastest on
+        average (as a user would tune the TP of a static configuration); none when no scheme can."""
+        bases = cp_bases(self.cost_model, self.gpus, longest)
+        if not bases:
+            return
+
+        def mean_ms(policy: str) -> float:
+            return float(np.mean([self.plan(batch, policy).est_step_ms for batch in trial]))
+
+        timed: dict[str, list[tuple[float, str, ParallelScheme]]] = {p: [] for p in CP_POLICIES}
+        for base in bases:
+            self.cp_base = base
+            self.cp_fixed = homogeneous_cp_strategy(self.cost_model, self.gpus, base, longest)
+            for policy in CP_POLICIES:
+                timed[policy].append((mean_ms(policy), base.describe(), base))
+        self.cp_base = min(timed["dynamic-cp"])[2]
+        self.cp_fixed = homogeneous_cp_strategy(self.cost_model, self.gpus, min(timed["homogeneous-cp"])[2], longest)
 
     def _slot_layouts(self) -> list[Strategy]:
         """The slot layouts of the pool's strategies (``regrouped.slot_layout``) and the homogeneous layouts of

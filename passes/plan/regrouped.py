@@ -76,6 +76,9 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
     ``memo``: a dict kept across the layouts of one batch (its CP options by scheme and length)."""
     if any(s.pp != 1 or s.cp != 1 for s in layout.schemes):
         raise PlanError(f"a slot layout has neither pipeline nor CP replicas, got {layout.describe()}")
+    if bad := cost_model.fits(layout):
+        raise PlanError(f"slot layout {layout.describe()} has schemes the cost model cannot run: "
+                        f"{', '.join(s.describe() for s in bad)}")
     slots = layout.replicas()
     ranks = assign_ranks(layout, cost_model.gpus_per_node)
     kinds = {s: Kind.of(cost_model, s) for s in layout.schemes}

@@ -1,0 +1,98 @@
+"""Regrouped plans in the planner (``passes/plan/regrouped.py``): a schedule covers every sequence exactly once
+within each group's memory cap, its CP groups are aligned blocks of one scheme's slots (so a rank keeps one
+parameter slice), its makespan stays above the any-schedule bound, widening shortens a step the longest
+sequence sets, and hydraulis with this freedom is never slower than ``dynamic-cp`` on the long-context data."""
+
+import pytest
+
+from passes.plan.bounds import bound_terms
+from passes.plan.context_parallel import with_context_parallel
+from passes.plan.cost_model import HCOMPILE_RUNTIME, build_cost_model, default_optimizer_layout, load_profile
+from passes.plan.ir import ParallelScheme, PlanError, StepPlan, Strategy
+from passes.plan.links import link_preset
+from passes.plan.placement import assign_ranks
+from passes.plan.regrouped import regrouped_schedule, slot_layout
+from runtime.topology import Cluster, check_placement
+
+PROFILE = load_profile("llama-32b")
+LINKS = link_preset("a800-80g")
+GPUS = 128
+LAYOUT = default_optimizer_layout(PROFILE, GPUS, 160_000, HCOMPILE_RUNTIME, longest_held=True)
+MODEL = with_context_parallel(build_cost_model(PROFILE, LAYOUT, HCOMPILE_RUNTIME), PROFILE, LINKS, GPUS, 160_000,
+                              LAYOUT, HCOMPILE_RUNTIME)
+BATCH = [150_000, 90_000, 61_000, 40_000, 33_000, 20_000, 12_000, 9_000, 4_000, 3_000, 2_500, 900, 700, 300] * 2
+
+
+def _plan(schedule) -> StepPlan:
+    return StepPlan(strategy=schedule.layout, seq_lens=tuple(BATCH), replicas=schedule.replicas,
+                    est_step_ms=schedule.makespan_ms, lower_bound_ms=0.0, policy="hydraulis", regrouped=True)
+
+
+@pytest.mark.parametrize("layout", ["16x(tp8)", "8x(tp8)+16x(tp4)", "4x(tp16)+16x(tp4)"])
+@pytest.mark.parametrize("widen", [False, True])
+def test_a_schedule_covers_every_sequence_once_in_aligned_groups_within_memory(layout, widen):
+    layout = Strategy.parse(layout)
+    schedule = regrouped_schedule(MODEL, layout, BATCH, widen)
+    members = sorted(i for r in schedule.replicas for mb in r.micro_batches for i in mb)
+    assert members == list(range(len(BATCH)))
+    slots = dict(zip(assign_ranks(layout, MODEL.gpus_per_node), layout.replicas()))
+    for group in schedule.replicas:
+        for mb in group.micro_batches:
+            assert sum(BATCH[i] for i in mb) <= MODEL.max_tokens(group.scheme)
+        tp, cp = group.scheme.tp, group.scheme.cp
+        blocks = [group.ranks[c * tp:(c + 1) * tp] for c in range(cp)]
+        assert all(slots.get(b) == ParallelScheme(tp=tp) for b in blocks), "a CP rank's TP group is one slot"
+        same = [b for b in sorted(slots) if slots[b] == ParallelScheme(tp=tp)]
+        assert same.index(blocks[0]) % cp == 0, "aligned within its scheme's slots"
+    plan = _plan(schedule)
+    assert plan.slot_problem() is None
+    check_placement(plan.replicas, Cluster(world_size=GPUS, gpus_per_node=8), regrouped=True)
+    bounds = bound_terms(MODEL, GPUS, tuple(BATCH))
+    assert schedule.makespan_ms >= bounds.any_schedule * (1 - 1e-9)
+    assert len(schedule.slot_ms) == len(layout.replicas()) == len(schedule.edges)
+
+
+def test_a_slot_runs_its_cp_groups_before_its_own_micro_batches_in_plan_order():
+    schedule = regrouped_schedule(MODEL, Strategy.parse("16x(tp8)"), BATCH)
+    plan = _plan(schedule)
+    for rank in range(GPUS):
+        cps = [plan.replicas[p.replica].scheme.cp for p in plan.places_of(rank)]
+        assert cps == sorted(cps, key=lambda c: c == 1), (rank, cps)  # CP groups first, then the slot alone
+
+
+def test_widening_shortens_a_step_the_longest_sequence_sets():
+    batch = [150_000] + [2_000] * 40
+    layout = Strategy.parse("16x(tp8)")
+    least, widened = (regrouped_schedule(MODEL, layout, batch, w) for w in (False, True))
+    cp = {w: max(r.scheme.cp for r in s.replicas) for w, s in ((False, least), (True, widened))}
+    assert cp[True] > cp[False]
+    assert widened.makespan_ms < least.makespan_ms
+
+
+def test_slot_layouts_and_a_sequence_no_group_holds():
+    assert slot_layout(Strategy.parse("2x(tp8,cp4)+8x(tp4)")) == Strategy.parse("8x(tp8)+8x(tp4)")
+    assert slot_layout(Strategy.parse("2x(tp4,pp2)")) is None
+    with pytest.raises(PlanError, match="fits no CP group of the slots of 1x\\(tp8,pp1\\)\\+30x\\(tp4,pp1\\)"):
+        regrouped_schedule(MODEL, Strategy.parse("1x(tp8)+30x(tp4)"), [150_000, 1_000])
+
+
+def test_hydraulis_with_regrouping_is_never_slower_than_dynamic_cp():
+    """Compute only, the long-context preset on 128 A800s: hydraulis plans dynamic-cp's own layout among its
+    regrouped candidates, so no step is slower; some steps regroup."""
+    from hcompile.tools.simulate import PlanJob, prepare
+
+    planner, _, batches = prepare(PlanJob(dataset="long-context", gpus=GPUS, global_tokens=400_000, steps=3,
+                                          charge_movement=False))
+    regrouped = 0
+    for batch in batches:
+        ours, theirs = planner.plan(batch, "hydraulis"), planner.plan(batch, "dynamic-cp")
+        assert ours.est_step_ms <= theirs.est_step_ms * (1 + 1e-9)
+        assert ours.est_step_ms >= planner.bounds(batch).any_schedule * (1 - 1e-9)
+        assert ours.lower_bound_ms == pytest.approx(planner.bounds(batch).any_schedule)
+        regrouped += ours.regrouped
+    assert regrouped >= 1
+
+
+def test_a_layout_with_a_scheme_that_holds_no_token_is_refused():
+    with pytest.raises(PlanError, match="cannot run: \\(tp2,pp1\\)"):
+        regrouped_schedule(MODEL, Strategy.parse("8x(tp8)+32x(tp2)"), BATCH)
