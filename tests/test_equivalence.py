@@ -1,8 +1,9 @@
 """A heterogeneous step equals a single-device step: random strategies on 4 gloo ranks (tp1/tp2/tp4, pp1/pp2,
-cp2/cp4, mixed, and regrouped steps whose CP groups re-form per sequence on a slot layout), random batches, caps small enough that replicas run several micro-batches in several token
-buckets, GPT and LLaMA, against plain single-process SGD at 1e-5 (loss and every parameter), every rank's
-point-to-point operations in an order NCCL completes (``tests/p2p_order.py``). Also the case that exposed buckets
-sharing the model's Parameters: one rank, micro-batches in two buckets."""
+cp2/cp4, mixed, and regrouped steps whose CP groups re-form per sequence on a slot layout), random batches,
+caps small enough that replicas run several micro-batches in several token buckets, GPT and LLaMA, against plain
+single-process SGD at 1e-5 (loss and every parameter), every rank's point-to-point operations in an order NCCL
+completes (``tests/p2p_order.py``). Also the case that exposed buckets sharing the model's Parameters: one rank,
+micro-batches in two buckets."""
 
 from __future__ import annotations
 

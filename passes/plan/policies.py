@@ -175,23 +175,29 @@ class Planner:
         elif policy in ("padding", "fixed-packing", "homogeneous-token"):
             best = self._baseline(policy, seq_lens)
         else:
-            candidates = self.pool if policy == "hydraulis" else self.homogeneous
-            try:
-                best = self._best_of(candidates, seq_lens, refine=self.refine and policy == "hydraulis")
-            except PlanError:
-                if not (policy == "hydraulis" and self.layouts):
-                    raise
-                best = None  # no strategy holds the batch for the whole step: regrouped CP groups may
-            if policy == "hydraulis" and self.layouts:
-                regrouped_best = self._best_regrouped(seq_lens)
-                if regrouped_best is not None and (best is None or regrouped_best.est_ms < best.est_ms - 1e-9):
-                    best, regrouped = regrouped_best, True
-            if best is None:
-                raise too_long_error(self.cost_model, self.gpus, max(seq_lens))
+            best, regrouped = self._best_step(policy, seq_lens, regrouping)
         solve_ms = (time.perf_counter() - started) * 1e3
         return StepPlan(strategy=best.strategy, seq_lens=tuple(seq_lens), replicas=best.replicas,
                         est_step_ms=best.est_ms, lower_bound_ms=bound, policy=policy, solve_ms=solve_ms,
                         est_move_ms=best.move_ms, regrouped=regrouped)
+
+    def _best_step(self, policy: str, seq_lens: list[int], regrouping: bool) -> tuple[_Assignment, bool]:
+        """``hydraulis`` or ``homogeneous-per-step``: the best strategy for the whole step and, with
+        ``regrouping``, the best regrouped plan where it is better (or where no strategy holds the batch);
+        whether the plan is regrouped."""
+        candidates = self.pool if policy == "hydraulis" else self.homogeneous
+        try:
+            best = self._best_of(candidates, seq_lens, refine=self.refine and policy == "hydraulis")
+        except PlanError:
+            if not regrouping:
+                raise
+            best = None  # no strategy holds the batch for the whole step: regrouped CP groups may
+        regrouped = self._best_regrouped(seq_lens) if regrouping else None
+        if regrouped is not None and (best is None or regrouped.est_ms < best.est_ms - 1e-9):
+            return regrouped, True
+        if best is None:
+            raise too_long_error(self.cost_model, self.gpus, max(seq_lens))
+        return best, False
 
     def _cp_baseline(self, policy: str, seq_lens: list[int]) -> _Assignment:
         """``homogeneous-cp`` or ``dynamic-cp`` (module docstring)."""

@@ -98,7 +98,7 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
         if not options[i]:
             raise PlanError(f"a sequence of {seq_lens[i]} tokens fits no CP group of the slots of "
                             f"{layout.describe()}")
-        best = None
+        best: tuple | None = None
         for scheme, cp, ms in options[i]:
             members = of_scheme[scheme]
             blocks = free[members[:len(members) - len(members) % cp]].reshape(-1, cp).max(axis=1)
@@ -106,6 +106,7 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
             end = float(blocks[b]) + ms
             if best is None or end < best[0] - 1e-9:
                 best = (end, scheme, cp, ms, members[b * cp:(b + 1) * cp])
+        assert best is not None  # options[i] is not empty
         end, scheme, cp, ms, block = best
         first[block] = np.where(first[block] == 0.0, ms, first[block])
         free[block], last[block] = end, ms
@@ -129,9 +130,9 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
         share[k].append(i)
         load[k] = best_end
     finish = free.copy()
-    for k, members in enumerate(share):
+    for k, mine in enumerate(share):
         kind = kinds[slots[k]]
-        bins, ms = pack_replica(kind, seq_lens, members)
+        bins, ms = pack_replica(kind, seq_lens, mine)
         finish[k] += ms
         if bins:
             times = [kind.micro_ms(sum(kind.seq_ms(seq_lens[i]) for i in b), sum(seq_lens[i] for i in b))
