@@ -47,7 +47,7 @@ from passes.plan.cost_model import load_profile_file
 from passes.plan.datasets import PRESET_DATASETS, LengthDataset, load_dataset, sample_batches
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan.links import Links
-from passes.plan.policies import POLICIES
+from passes.plan.policies import ALL_POLICIES
 
 __all__ = ["E2EConfig", "scale_dataset", "run_e2e", "summarize", "format_table", "format_cost_model", "main"]
 
@@ -128,8 +128,8 @@ class E2EConfig:
             raise PlanError(f"warmup must be a non-negative integer, got {self.warmup!r}")
         if self.ranks > max_local_ranks():
             raise PlanError(f"{self.ranks} ranks are more than this machine can start (at most {max_local_ranks()})")
-        if not self.policies or any(p not in POLICIES for p in self.policies):
-            raise PlanError(f"unknown policy in {list(self.policies)!r}; known: {', '.join(POLICIES)}")
+        if not self.policies or any(p not in ALL_POLICIES for p in self.policies):
+            raise PlanError(f"unknown policy in {list(self.policies)!r}; known: {', '.join(ALL_POLICIES)}")
         if self.long_documents not in ("drop", "split"):
             raise PlanError(f"long_documents must be 'drop' or 'split', got {self.long_documents!r}")
         if self.take_turns not in ("auto", "on", "off"):

@@ -18,7 +18,7 @@ from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, StepPlan
 from passes.plan.links import Links
 
-__all__ = ["RankJob", "rank_main", "predicted_replicas", "predicted_move_ms"]
+__all__ = ["RankJob", "rank_main", "predicted_replicas", "predicted_slots", "predicted_move_ms"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +74,27 @@ def predicted_replicas(cost_model: CostModel, plan: StepPlan,
     return out
 
 
+def predicted_slots(plan: StepPlan, groups: list[tuple[float, tuple[float, float]]],
+                    gpus_per_node: int) -> list[tuple[float, tuple[float, float]]]:
+    """A regrouped plan's groups (``predicted_replicas``) replayed in the plan's order on their ranks, as the
+    runtime runs them (a group starts when all of its ranks are free): per slot of its layout
+    (``plan.strategy``), when it finishes and the time of its first and last micro-batch."""
+    from passes.plan.placement import assign_ranks
+
+    free: dict[int, float] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for group, (ms, (head, tail)) in zip(plan.replicas, groups):
+        start = max(free.get(r, 0.0) for r in group.ranks)
+        for r in group.ranks:
+            free[r] = start + ms
+            if group.micro_batches:
+                first.setdefault(r, head)
+                last[r] = tail
+    return [(max(free.get(r, 0.0) for r in slot), (first.get(slot[0], 0.0), last.get(slot[0], 0.0)))
+            for slot in assign_ranks(plan.strategy, gpus_per_node)]
+
+
 def predicted_move_ms(movement, plan: StepPlan, replicas: list[tuple[float, tuple[float, float]]]) -> float:
     """What the movement adds to the predicted step (``MovementCost.step_ms`` less the slowest replica's
     compute): plain, the pull and the push; overlapped, the slowdown of the compute beside its transfers plus
@@ -91,7 +112,10 @@ def _token_batches(job: RankJob) -> list[list[torch.Tensor]]:
 
 
 def _step_record(step: int, stats, plan: StepPlan, wall_ms: float,
-                 replicas: list[tuple[float, tuple[float, float]]], movement) -> dict:
+                 replicas: list[tuple[float, tuple[float, float]]], movement,
+                 groups: list[tuple[float, tuple[float, float]]]) -> dict:
+    """One measured step; ``replicas``: per replica of ``plan.strategy`` its predicted time and edges (a
+    regrouped plan's slots), ``groups``: per entry of ``plan.replicas``."""
     moved = None if movement is None else movement.time(plan.strategy)
     pred = [ms for ms, _ in replicas]
     return {
@@ -107,9 +131,10 @@ def _step_record(step: int, stats, plan: StepPlan, wall_ms: float,
         "param_bytes_received": stats.traffic.params_received, "grad_bytes_sent": stats.traffic.grads_sent,
         "tokens_computed": list(stats.tokens_computed), "plan_ms": stats.plan_ms, "plan_hidden": stats.plan_hidden,
         "est_ms": plan.est_step_ms, "pred_ms": max(pred), "lower_bound_ms": plan.lower_bound_ms,
+        "regrouped": plan.regrouped,
         "replicas": [{"scheme": r.scheme.describe(), "ranks": list(r.ranks), "est_ms": r.est_ms, "pred_ms": p,
                       "micro_batch_tokens": [sum(plan.seq_lens[i] for i in mb) for mb in r.micro_batches]}
-                     for r, p in zip(plan.replicas, pred)],
+                     for r, (p, _) in zip(plan.replicas, groups)],
     }
 
 
@@ -126,8 +151,7 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
     trainer = Trainer(compiled, options, cost_model=job.cost_model, dataset=job.dataset)
     started = time.perf_counter()
     planner = trainer._planner(list(job.batches[0])).planner  # builds the planner and warms its pool up
-    baseline = policy in ("padding", "fixed-packing", "homogeneous-token")
-    strategies = [planner.fixed] if baseline else list(planner.pool) + [planner.fixed]
+    strategies = _warmed(trainer, planner, policy)
     trainer.warm_up(strategies)  # every variant these strategies can ask of this rank
     builds = trainer.lowerings.compilations()
     movement = None
@@ -139,6 +163,25 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
             "batches": iter(_token_batches(job))}
 
 
+def _warmed(trainer, planner, policy: str) -> list:
+    """The strategies whose variants ``policy``'s plans can ask for: the fixed strategy (the baselines), the CP
+    baselines' own, or the pool; where plans regroup (dynamic-cp, hydraulis with CP schemes), the homogeneous
+    strategy of every CP scheme of their slots, whose aligned groups theirs are."""
+    from passes.plan.ir import ParallelScheme, Strategy
+
+    world = planner.gpus
+    if policy in ("padding", "fixed-packing", "homogeneous-token"):
+        return [planner.fixed]
+    if policy == "homogeneous-cp":
+        return [planner.cp_fixed]
+    slots = ({planner.cp_base} if policy == "dynamic-cp"
+             else {s for layout in planner.layouts for s in layout.schemes})
+    cp = [ParallelScheme(tp=s.tp, cp=c) for s in slots for c in (2, 4, 8, 16) if s.tp * c <= world]
+    regrouping = [Strategy.homogeneous(s, world) for s in [*slots, *cp]
+                  if s in trainer.cost_model.schemes and world % s.gpus == 0]
+    return regrouping if policy == "dynamic-cp" else [*planner.pool, planner.fixed, *regrouping]
+
+
 def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     trainer = state["trainer"]
     t0 = time.perf_counter()
@@ -148,8 +191,9 @@ def _step(job: RankJob, state: dict, data: list, i: int) -> None:
     if i == job.warmup - 1:
         state["warm_compilations"] = stats.compilations
     if i >= job.warmup:
-        record = _step_record(i, stats, plan, wall, predicted_replicas(trainer.cost_model, plan, state["buckets"]),
-                              state["movement"])
+        groups = predicted_replicas(trainer.cost_model, plan, state["buckets"])
+        slots = predicted_slots(plan, groups, trainer.cost_model.gpus_per_node) if plan.regrouped else groups
+        record = _step_record(i, stats, plan, wall, slots, state["movement"], groups)
         if trainer.calibration is not None:  # rank 0: the factors the next plans use
             record["calibration"] = {s.describe(): round(f, 4) for s, f in trainer.calibration.factors.items()}
         state["steps"].append(record)

@@ -367,7 +367,8 @@ class Trainer:
                               refine=self.options.strategies == "auto",  # a listed pool is kept as listed
                               allow=self._compiled_placement, regroup=cp and self.options.regroup)
             if self.options.policy in CP_POLICIES:  # the baselines' TP, chosen on the first batch
-                planner.choose_cp_baselines(max(seq_lens), [list(seq_lens)])
+                longest = max([*seq_lens, *([self.dataset.max_len] if self.dataset is not None else [])])
+                planner.choose_cp_baselines(longest, [list(seq_lens)])
             self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
                                         timeout_s=self.plan_timeout_s)
             if self.calibration is not None and self.calibration.state_dict():  # resumed with measured ratios

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from passes.graph.collectives import is_nccl, uses_nccl
 from passes.plan.ir import ReplicaPlan
 
-__all__ = ["DistContext", "init_distributed", "GroupCache", "DEFAULT_TIMEOUT_S", "ProcessGroup", "Work",
+__all__ = ["DistContext", "init_distributed", "GroupCache", "MAX_REMEMBERED_PLACEMENTS", "DEFAULT_TIMEOUT_S",
+           "ProcessGroup", "Work",
            "is_initialized", "world_size", "rank", "backend", "group_device", "all_gather_object",
            "broadcast_object", "agree_errors", "all_reduce", "all_gather", "all_gather_into", "barrier", "send",
            "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown",
@@ -172,6 +173,11 @@ def _destroy_at_exit() -> None:
     dist.destroy_process_group()
 
 
+MAX_REMEMBERED_PLACEMENTS = 256
+"""Placements whose groups are known to exist, remembered to skip the walk over their groups (a memo: a
+regrouped plan's placement is new almost every step, and its groups are found by their ranks anyway)."""
+
+
 class GroupCache:
     """Sub-groups by their ranks. ``dist.new_group`` is collective over the whole job, so groups are made
     for a whole strategy at once, in the strategy's deterministic order, on every rank."""
@@ -191,7 +197,8 @@ class GroupCache:
         for groups in placement:
             for group in groups:
                 self._make(group)
-        self._placements.add(placement)
+        if len(self._placements) < MAX_REMEMBERED_PLACEMENTS:  # regrouped plans place anew every step
+            self._placements.add(placement)
 
     @property
     def sizes(self) -> list[int]:

@@ -156,7 +156,8 @@ class Executor:
             check_placement(plan.replicas, self.cluster, plan.regrouped)
             if plan.regrouped and (problem := plan.slot_problem()) is not None:
                 raise PlanError(f"the {plan.policy} plan of {plan.strategy.describe()} cannot run: {problem}")
-            self._checked.add(placement)
+            if len(self._checked) < comm.MAX_REMEMBERED_PLACEMENTS:  # a memo, bounded (regrouped plans vary)
+                self._checked.add(placement)
         self.groups.prepare(plan.replicas)
         return self.groups
 
@@ -242,6 +243,9 @@ class Executor:
             with record_function("hydraulis.compute"):
                 for k, (place, prog) in enumerate(zip(places, programs)):
                     replica = plan.replicas[place.replica]
+                    if plan.regrouped:
+                        step.group = place.replica
+                        self._phase("group", step)
                     part = flow.part(prog, first=bool(busy) and k == busy[0], last=bool(busy) and k == busy[-1])
                     if replica.scheme.pp == 1:
                         loss = self._run_local(prog, micro[k], pairs, self.ctx.device, part)

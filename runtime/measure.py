@@ -26,11 +26,12 @@ from runtime.redistribute import Traffic
 
 __all__ = ["PHASES", "PhaseHook", "StepState", "StepStats", "StepMeter", "TakeTurns"]
 
-PHASES = ("pull", "pulled", "compute", "computed", "push", "optimizer", "end")
+PHASES = ("pull", "pulled", "compute", "group", "computed", "push", "optimizer", "end")
 """A step's phases in order (a dry run has no ``push`` nor ``optimizer``); ``pulled``: the parameters are in place
-and the gradient buffer is ready, before any hook at ``compute`` waits (for its replica's turn). Hooks entering
-a phase run in the order they were added; at ``computed``, which closes the compute window, in the reverse
-order, so that a hook opened first is closed last."""
+and the gradient buffer is ready, before any hook at ``compute`` waits (for its replica's turn); ``group``: only in
+a regrouped plan, before each of the rank's groups (``StepState.group``). Hooks entering a phase run in the order
+they were added; at ``computed``, which closes the compute window, in the reverse order, so that a hook opened
+first is closed last."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +104,9 @@ class StepState:
     """This rank's index in its stage's TP group."""
     dry_run: bool = False
     """Forward and backward only (warm-up): parameters and optimiser untouched."""
+    group: int = -1
+    """In a regrouped plan, at phase ``group``: the index into ``plan.replicas`` of the group the rank runs
+    next."""
     loss_sum: torch.Tensor | None = None
     """The loss this rank counts (summed over its micro-batches, on the device; zero on ranks that do not count
     it), set when the compute phase ends."""
@@ -249,14 +253,31 @@ class TakeTurns:
     rank's busy time is what it would be with a core of its own, not inflated by other ranks time-slicing its
     core; the step's wall time becomes the sum of the replicas' times. Add it before the meter."""
 
+    def __init__(self) -> None:
+        self._passed = 0
+
     def __call__(self, phase: str, step: StepState) -> None:
-        if step.plan.regrouped:  # a rank's groups run one after another, with other ranks: no turn is its own
-            raise ValueError("replicas cannot take turns in a regrouped plan (its ranks join several groups); "
-                             "run it with replicas_take_turns=False")
+        if step.plan.regrouped:
+            self._regrouped(phase, step)
+            return
         turns = len(step.plan.replicas)
         if phase == "compute":  # the earlier replicas' turns
             for _ in range(step.replica):
                 comm.barrier()
         elif phase == "computed":  # this replica's turn ends, then the later ones'
             for _ in range(step.replica, turns):
+                comm.barrier()
+
+    def _regrouped(self, phase: str, step: StepState) -> None:
+        """A regrouped plan's groups take their turns one by one, in the plan's order: barrier ``g`` closes group
+        ``g - 1``, every rank passes each once (a rank runs group ``g`` once it has passed barriers 1..g, and
+        passes the next only when that group is done)."""
+        if phase == "compute":
+            self._passed = 0
+        elif phase == "group":
+            for _ in range(self._passed, step.group):
+                comm.barrier()
+            self._passed = step.group
+        elif phase == "computed":
+            for _ in range(self._passed, len(step.plan.replicas)):
                 comm.barrier()

@@ -7,9 +7,11 @@ to plain single-process SGD at 1e-5: the loss and every parameter.
 - Step "beside-tp2": a tp2 replica on ranks 0-1 trains its share while ranks 2-3 run a CP group of 2 and then
   one slot each.
 
-Each rank pulls its slot's parameters once, accumulates every group's gradients in one compute copy and
-pushes them once; every rank's point-to-point operations come in an order NCCL completes
-(``tests/p2p_order.py``), and the collectives of each group are posted in the plan's order on every rank."""
+The plain-movement case also takes turns (``runtime.measure.TakeTurns``: the groups one by one, in the plan's
+order, as the harness measures them on few cores). Each rank pulls its slot's parameters once, accumulates every
+group's gradients in one compute copy and pushes them once; every rank's point-to-point operations come in an
+order NCCL completes (``tests/p2p_order.py``), and the collectives of each group are posted in the plan's order
+on every rank."""
 
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def _train(rank, world, name, overlap):
     compiled = hcompile.compile(_model(name), buckets=BUCKETS)
     trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
                                strategies=["4x(tp1)"], tokens_per_rank=CAP, calibrate=False,
-                               overlap_movement=overlap)
+                               overlap_movement=overlap, replicas_take_turns=not overlap)
     out = []
     with P2PRecorder() as rec:
         for plan in plans().values():
