@@ -6,9 +6,10 @@
     python -m benchmarks.planner --movement charged   # only with movement charged (default: both, side by side)
     python -m benchmarks.planner --movement charged --movement-mode both   # charged as the overlapped runtime
                                             # (the default) and the plain one run it, side by side
-    python -m benchmarks.planner --long-context --movement charged   # 32B on 64 and 1024 GPUs, long-context data,
-                                            # 1M tokens per step: hydraulis with CP against dynamic-cp and
-                                            # homogeneous-cp (context parallelism is planned only)
+    python -m benchmarks.planner --long-context --movement charged   # 32B on 64, 128 and 1024 GPUs, long-context
+                                            # data, 1M tokens per step: hydraulis with CP (and regrouped steps)
+                                            # against dynamic-cp and homogeneous-cp (context parallelism is
+                                            # planned only); --no-regroup: hydraulis one strategy per step
 
 Step times are the cost model's estimates (measured A800 profiles), not wall clock; solve times are the
 planner's own wall-clock time on this machine. Each setting runs twice: movement ``ignored`` (compute only,
@@ -43,6 +44,7 @@ SETTINGS = (
 )
 LONG_CONTEXT = (
     PlanJob(model="llama-32b", gpus=64, dataset="long-context", global_tokens=1_000_000, steps=30),
+    PlanJob(model="llama-32b", gpus=128, dataset="long-context", global_tokens=1_000_000, steps=20),
     PlanJob(model="llama-32b", gpus=1024, dataset="long-context", global_tokens=1_000_000, steps=10),
 )
 """Sequences beyond every scheme without CP: ``auto`` plans CP schemes and the CP baselines run beside."""
@@ -150,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results", help="folder for planner.jsonl and planner.png")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--long-context", action="store_true",
-                        help="only the long-context settings (32B on 64 and 1024 GPUs, context parallelism planned)")
+                        help="only the long-context settings (32B on 64, 128 and 1024 GPUs, context parallelism "
+                             "planned)")
+    parser.add_argument("--no-regroup", action="store_true",
+                        help="hydraulis plans no regrouped step (one strategy per step, as before regrouping)")
     parser.add_argument("--movement", choices=("both", "charged", "ignored"), default="both",
                         help="run each setting with movement ignored, charged, or both (default)")
     parser.add_argument("--movement-mode", choices=("plain", "overlapped", "both"), default="overlapped",
@@ -161,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"both": (False, True), "charged": (True,), "ignored": (False,)}[args.movement]
     runtimes = ("plain", "overlapped") if args.movement_mode == "both" else (args.movement_mode,)
     settings = SMOKE if args.smoke else LONG_CONTEXT if args.long_context else SETTINGS + LONG_CONTEXT
-    jobs = [replace(job, charge_movement=charged, movement_mode=runtime, reduce_dtype=args.reduce_dtype)
+    jobs = [replace(job, charge_movement=charged, movement_mode=runtime, reduce_dtype=args.reduce_dtype,
+                    regroup=not args.no_regroup)
             for job in settings for charged in modes for runtime in (runtimes if charged else ("plain",))]
     run(jobs, Path(args.out), plot=not args.no_plot)
     return 0

@@ -45,6 +45,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
                    help=f"a policy to run, repeatable (default: all of {', '.join(POLICIES)}; and "
                         f"{', '.join(CP_POLICIES)} when context parallelism is planned)")
+    p.add_argument("--no-regroup", action="store_true",
+                   help="hydraulis plans one strategy per step, no regrouped step (CP groups re-forming per "
+                        "sequence inside groups of same-scheme replicas; planned by default where CP is)")
     p.add_argument("--context-parallel", choices=CP_MODES, default="auto",
                    help="context-parallel schemes: auto (default) "
                         "when a sequence is longer than every scheme without CP holds, on, off")
@@ -114,6 +117,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     job = PlanJob(model=args.model, hardware=args.hardware, gpus=args.gpus, dataset=args.dataset,
                   global_tokens=args.global_tokens, steps=args.steps, seed=args.seed,
                   policies=tuple(args.policies or ()), context_parallel=args.context_parallel,
+                  regroup=not args.no_regroup,
                   lengths_file=args.lengths_file,
                   optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
                   memory_model=args.memory_model, charge_movement=args.movement == "charged",

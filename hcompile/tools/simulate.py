@@ -415,7 +415,8 @@ def format_report(report: PlanReport) -> str:
     lines.append(f"fixed strategy (baselines): {report.fixed.describe()}")
     if report.cp_fixed is not None and report.cp_base is not None:
         lines.append(f"context-parallel baselines: homogeneous-cp {report.cp_fixed.describe()}, dynamic-cp slots of "
-                     f"{report.cp_base.describe()} (its ranks regroup within a step: not runnable)")
+                     f"{report.cp_base.describe()} (its ranks regroup within a step; step / bound of a regrouped "
+                     f"plan is over the any-schedule bound)")
     lines.append("hydraulis pool: " + ", ".join(s.describe() for s in report.pool))
     return "\n".join(lines)
 

@@ -66,11 +66,14 @@ class StepDiagnosis:
     """Exposed movement above the floor (0 when movement is not charged)."""
     movement_floor_ms: float = 0.0
     """Movement no strategy avoids, part of the step's bound."""
+    regrouped: bool = False
+    """Whether the plan regroups its ranks within the step: then only the any-schedule terms bound it."""
 
     @property
     def lower_bound_ms(self) -> float:
-        """The tightest compute bound plus the movement floor."""
-        return self.bounds.best + self.movement_floor_ms
+        """The tightest compute bound that holds for the plan (the any-schedule one for a regrouped plan) plus
+        the movement floor."""
+        return (self.bounds.any_schedule if self.regrouped else self.bounds.best) + self.movement_floor_ms
 
     @property
     def vs_bound(self) -> float:
@@ -146,4 +149,5 @@ def diagnose(cost_model: CostModel, gpus: int, plan: StepPlan, bounds: Bounds | 
     strategy = float((in_strategy - overall).sum())
     return StepDiagnosis(est_step_ms=plan.est_step_ms, bounds=bounds, strategy_ms=strategy / gpus,
                          dispatch_ms=(placed + idle) / gpus, packing_ms=packing / gpus, replicas=tuple(replicas),
-                         movement_ms=plan.est_move_ms - movement_floor_ms, movement_floor_ms=movement_floor_ms)
+                         movement_ms=plan.est_move_ms - movement_floor_ms, movement_floor_ms=movement_floor_ms,
+                         regrouped=plan.regrouped)

@@ -10,10 +10,12 @@
 - ``homogeneous-per-step``: each step the best homogeneous strategy that holds the batch, with the
   quadratic-aware two-stage assignment.
 - ``hydraulis``: each step the best strategy of the data-aware pool, or of the mixes of the pool's schemes
-  that a hill climb from the pool's best reaches (``refine=True``), with the two-stage assignment.
+  that a hill climb from the pool's best reaches (``refine=True``), with the two-stage assignment; with
+  ``regroup=True`` (where CP schemes are planned) also a regrouped plan (``regrouped.py``: CP groups re-forming
+  per sequence inside the groups of same-scheme slots of the pool's slot layouts) where it is better.
 
 Two context-parallel baselines (``CP_POLICIES``; dynamic-cp's plans regroup ranks within a step, which the
-runtime cannot run), given the planner's ``cp_fixed`` / ``cp_base``:
+runtime runs as it runs hydraulis' regrouped plans), given the planner's ``cp_fixed`` / ``cp_base``:
 
 - ``homogeneous-cp``: one fixed strategy, every replica the same TP and the CP size the dataset's longest
   sequence needs (``dynamic_cp.homogeneous_cp_strategy``), with the two-stage assignment.
