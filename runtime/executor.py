@@ -187,6 +187,10 @@ class Executor:
             bound.append(other)
         return copy
 
+    def compute_copies(self) -> list[StageParams]:
+        """Every compute copy made so far, one per position this rank has computed at."""
+        return [params for params, _, _ in self._params.values()]
+
     def redistribution(self, strategy: Strategy, params: StageParams) -> Redistribution:
         """The movement plan of ``strategy`` (built collectively on its first step, then cached)."""
         if strategy not in self._moves:

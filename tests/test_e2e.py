@@ -68,10 +68,16 @@ def test_smoke_json_has_every_field(tmp_path, capsys):
 
 def test_long_context_trains_on_context_parallel_replicas(tmp_path, capsys):
     """Documents longer than any TP replica holds (``long-context`` scaled to 128 tokens, 32 per rank, tp2 at
-    most) train on (cp2) replicas, every policy from the same listed pool, the loss curves equal."""
+    most) train on (cp2) replicas, every policy from the same listed pool, the loss curves equal; ``dynamic-cp``
+    runs for real beside them, its CP groups re-forming within every step."""
     assert main(["--smoke", "--dataset", "long-context", "--max-cp", "2", "--json", "--no-plots",
-                 "--out", str(tmp_path), "--policy", "hydraulis", "--policy", "homogeneous-token"]) == 0
+                 "--out", str(tmp_path), "--policy", "hydraulis", "--policy", "homogeneous-token",
+                 "--policy", "dynamic-cp"]) == 0
     summary = json.loads(capsys.readouterr().out)
+    lines = [json.loads(line) for line in (tmp_path / "e2e.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["kind"] == "step" and r["policy"] == "dynamic-cp"]
+    assert steps and all(r["regrouped"] for r in steps)
+    assert all(r["pred_ms"] > 0 for r in steps)
     assert "1x(tp2,pp1,cp2)" in summary["config"]["strategies"] and summary["config"]["max_cp"] == 2
     assert summary["loss_spread"] < 1e-4
     used = {s for p in summary["policies"].values() for s in p["strategies"]}

@@ -64,7 +64,7 @@ def _meta_train(rank, world, strategy, source):
         with mode:
             losses.append(trainer.train_step(batch, strategy=strategy).loss)
         largest = max(largest, mode.largest)
-    stage_numel = max(p.numel for _, p in trainer.executor._params.values())
+    stage_numel = max(p.numel for p in trainer.executor.compute_copies())
     return losses, trainer.full_state_dict(), largest, stage_numel, on_meta
 
 
@@ -117,7 +117,7 @@ def _bf16(rank, world):
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3}, strategies=["1x(tp2)+2x(tp1)"],
             tokens_per_rank=24, calibrate=False, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         stats = [trainer.train_step(batch, strategy="1x(tp2)+2x(tp1)") for batch in _batches()]
-        dtypes = {params.dtype for _, params in trainer.executor._params.values()}
+        dtypes = {params.dtype for params in trainer.executor.compute_copies()}
         out.append(([s.loss for s in stats], stats[-1].traffic, trainer.layout.shard.dtype, dtypes,
                     trainer.full_state_dict()))
     return out
