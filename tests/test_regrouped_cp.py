@@ -7,11 +7,11 @@ to plain single-process SGD at 1e-5: the loss and every parameter.
 - Step "beside-tp2": a tp2 replica on ranks 0-1 trains its share while ranks 2-3 run a CP group of 2 and then
   one slot each.
 
-The plain-movement case also takes turns (``runtime.measure.TakeTurns``: the groups one by one, in the plan's
-order, as the harness measures them on few cores). Each rank pulls its slot's parameters once, accumulates every
-group's gradients in one compute copy and pushes them once; every rank's point-to-point operations come in an
-order NCCL completes (``tests/p2p_order.py``), and the collectives of each group are posted in the plan's order
-on every rank."""
+GPT moves its parameters overlapped; LLaMA moves them plain and takes turns (``runtime.measure.TakeTurns``: the
+groups one by one, in the plan's order, as the harness measures them on few cores). Each rank pulls its slot's
+parameters once, accumulates every group's gradients in one compute copy and pushes them once; every rank's
+point-to-point operations come in an order NCCL completes (``tests/p2p_order.py``), and the collectives of each
+group are posted in the plan's order on every rank."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _batch(lens: tuple[int, ...], vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
 
 
-def _train(rank, world, name, overlap):
+def _train(rank, world, name, overlap, turns):
     from p2p_order import P2PRecorder
 
     import hcompile
@@ -89,7 +89,7 @@ def _train(rank, world, name, overlap):
     compiled = hcompile.compile(_model(name), buckets=BUCKETS)
     trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
                                strategies=["4x(tp1)"], tokens_per_rank=CAP, calibrate=False,
-                               overlap_movement=overlap, replicas_take_turns=not overlap)
+                               overlap_movement=overlap, replicas_take_turns=turns)
     out = []
     with P2PRecorder() as rec:
         for plan in plans().values():
@@ -98,9 +98,9 @@ def _train(rank, world, name, overlap):
     return out, rec.ops
 
 
-@pytest.mark.parametrize("name,overlap", [("gpt", True), ("gpt", False), ("llama", True)])
-def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap):
-    per_rank = run_ranks(4, tmp_path, _train, name, overlap, timeout_s=500)
+@pytest.mark.parametrize("name,overlap,turns", [("gpt", True, False), ("llama", False, True)])
+def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap, turns):
+    per_rank = run_ranks(4, tmp_path, _train, name, overlap, turns, timeout_s=500)
     assert p2p_problems([ops for _, ops in per_rank]) == []
     steps = list(plans().values())
     batches = [_batch(p.seq_lens, _vocab(name)) for p in steps]
