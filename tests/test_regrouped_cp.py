@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from collective_order import collective_problems
 from dist_util import run_ranks
 from p2p_order import p2p_problems
 from test_equivalence import reference_sgd
@@ -82,6 +83,7 @@ def _batch(lens: tuple[int, ...], vocab: int) -> list[torch.Tensor]:
 
 
 def _train(rank, world, name, overlap, turns):
+    from collective_order import CollectiveRecorder
     from p2p_order import P2PRecorder
 
     import hcompile
@@ -91,17 +93,24 @@ def _train(rank, world, name, overlap, turns):
                                strategies=["4x(tp1)"], tokens_per_rank=CAP, calibrate=False,
                                overlap_movement=overlap, replicas_take_turns=turns)
     out = []
-    with P2PRecorder() as rec:
+    for plan in plans().values():  # warmed first: the steps below are what the order is checked on
+        trainer._warm_for(plan)
+    with P2PRecorder() as rec, CollectiveRecorder() as calls:
         for plan in plans().values():
             stats = trainer.train_plan(plan, _batch(plan.seq_lens, _vocab(name)))
             out.append((stats.loss, stats.tokens_computed, trainer.full_state_dict()))
-    return out, rec.ops
+    return out, (rec.ops, calls.calls)
 
 
 @pytest.mark.parametrize("name,overlap,turns", [("gpt", True, False), ("llama", False, True)])
 def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap, turns):
     per_rank = run_ranks(4, tmp_path, _train, name, overlap, turns, timeout_s=500)
-    assert p2p_problems([ops for _, ops in per_rank]) == []
+    assert p2p_problems([ops for _, (ops, _) in per_rank]) == []
+    calls = [c for _, (_, c) in per_rank]
+    assert collective_problems(calls) == []
+    # the CP groups' K/V all-gathers are among them: 2-rank and 4-rank groups of the tp1 slots
+    sizes = {len(c.group) for rank in calls for c in rank if c.op in ("all_gather_single", "all_gather_into_tensor")}
+    assert {2, 4} <= sizes, sizes
     steps = list(plans().values())
     batches = [_batch(p.seq_lens, _vocab(name)) for p in steps]
     model = _model(name) if name == "gpt" else _HFLogits(_model(name))
@@ -149,13 +158,14 @@ def _two_heads() -> torch.nn.Module:
 
 
 def _train_policies(rank, world):
+    from collective_order import CollectiveRecorder
     from p2p_order import P2PRecorder
 
     import hcompile
 
     compiled = hcompile.compile(_two_heads(), buckets=BUCKETS)
     out = {}
-    with P2PRecorder() as rec:
+    with P2PRecorder() as rec, CollectiveRecorder() as calls:
         for policy in ("hydraulis", "dynamic-cp", "homogeneous-cp"):
             trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
                                        tokens_per_rank=CAP, calibrate=False, policy=policy)
@@ -164,7 +174,7 @@ def _train_policies(rank, world):
                 stats = trainer.train_step(_batch(tuple(lens), VOCAB))
                 steps.append((stats.loss, trainer.last_plan.plan.regrouped, trainer.full_state_dict()))
             out[policy] = steps
-    return out, rec.ops
+    return out, (rec.ops, calls.calls)
 
 
 def test_the_trainer_plans_and_runs_regrouped_steps_hydraulis_and_dynamic_cp(tmp_path):
@@ -174,7 +184,8 @@ def test_the_trainer_plans_and_runs_regrouped_steps_hydraulis_and_dynamic_cp(tmp
     exchange, so one CP replica for the step is as fast: ``test_regrouped_plans.py`` has the GPU preset, where
     it regroups); every step exact."""
     per_rank = run_ranks(4, tmp_path, _train_policies, timeout_s=500)
-    assert p2p_problems([ops for _, ops in per_rank]) == []
+    assert p2p_problems([ops for _, (ops, _) in per_rank]) == []
+    assert collective_problems([calls for _, (_, calls) in per_rank]) == []
     losses, states = reference_sgd(_two_heads(), [_batch(tuple(lens), VOCAB) for lens in POLICY_STEPS], 0.5)
     for out, _ in per_rank:
         for policy, steps in out.items():
