@@ -176,9 +176,8 @@ def _warmed(trainer, planner, policy: str) -> list:
         return [planner.cp_fixed]
     slots = ({planner.cp_base} if policy == "dynamic-cp"
              else {s for layout in planner.layouts for s in layout.schemes})
-    cp = [ParallelScheme(tp=s.tp, cp=c) for s in slots for c in (2, 4, 8, 16) if s.tp * c <= world]
-    regrouping = [Strategy.homogeneous(s, world) for s in [*slots, *cp]
-                  if s in trainer.cost_model.schemes and world % s.gpus == 0]
+    regrouping = [Strategy.homogeneous(s, world) for s in trainer.cost_model.schemes
+                  if s.pp == 1 and ParallelScheme(tp=s.tp) in slots and world % s.gpus == 0]
     return regrouping if policy == "dynamic-cp" else [*planner.pool, planner.fixed, *regrouping]
 
 

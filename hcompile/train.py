@@ -349,12 +349,12 @@ class Trainer:
 
     def _planner(self, seq_lens: Sequence[int]) -> PlanService:
         if self._service is None:
+            data = self.dataset or LengthDataset.from_lengths("first-batch", list(seq_lens))
+            longest = max(data.max_len, max(seq_lens))
             if self._restored_pool is not None:  # resumed: the pool the run started with
                 pool, fixed = self._restored_pool
                 self._extend_cost_model(add_listed_cp_schemes(self.cost_model, [s.describe() for s in [*pool, fixed]]))
             else:
-                data = self.dataset or LengthDataset.from_lengths("first-batch", list(seq_lens))
-                longest = max(data.max_len, max(seq_lens))
                 if self.options.strategies == "auto":  # CP where a sequence is longer than every scheme holds
                     self._extend_cost_model(add_needed_cp_schemes(self.cost_model, self.ctx.world_size, longest))
                 fixed = sized_homogeneous(self.cost_model, self.ctx.world_size, longest)
@@ -367,7 +367,6 @@ class Trainer:
                               refine=self.options.strategies == "auto",  # a listed pool is kept as listed
                               allow=self._compiled_placement, regroup=cp and self.options.regroup)
             if self.options.policy in CP_POLICIES:  # the baselines' TP, chosen on the first batch
-                longest = max([*seq_lens, *([self.dataset.max_len] if self.dataset is not None else [])])
                 planner.choose_cp_baselines(longest, [list(seq_lens)])
             self._service = PlanService(planner, self.ctx.rank, self.options.policy, self.executor.cpu_clock,
                                         timeout_s=self.plan_timeout_s)

@@ -255,29 +255,22 @@ class TakeTurns:
 
     def __init__(self) -> None:
         self._passed = 0
+        """Barriers this rank has passed in the step: barrier ``g`` closes turn ``g - 1``."""
 
     def __call__(self, phase: str, step: StepState) -> None:
-        if step.plan.regrouped:
-            self._regrouped(phase, step)
-            return
-        turns = len(step.plan.replicas)
-        if phase == "compute":  # the earlier replicas' turns
-            for _ in range(step.replica):
-                comm.barrier()
-        elif phase == "computed":  # this replica's turn ends, then the later ones'
-            for _ in range(step.replica, turns):
-                comm.barrier()
-
-    def _regrouped(self, phase: str, step: StepState) -> None:
-        """A regrouped plan's groups take their turns one by one, in the plan's order: barrier ``g`` closes group
-        ``g - 1``, every rank passes each once (a rank runs group ``g`` once it has passed barriers 1..g, and
-        passes the next only when that group is done)."""
+        """Turn ``g`` runs once every rank has passed barriers 1..g; a rank passes the next one only when its
+        turn is done, so the turns run one by one, in order. A turn is a replica (the rank's own, entered at
+        ``compute``), or in a regrouped plan each of its groups (entered at ``group``), in the plan's order."""
         if phase == "compute":
             self._passed = 0
+            if not step.plan.regrouped:
+                self._pass_to(step.replica)
         elif phase == "group":
-            for _ in range(self._passed, step.group):
-                comm.barrier()
-            self._passed = step.group
-        elif phase == "computed":
-            for _ in range(self._passed, len(step.plan.replicas)):
-                comm.barrier()
+            self._pass_to(step.group)
+        elif phase == "computed":  # this rank's last turn ends, then the later ones'
+            self._pass_to(len(step.plan.replicas))
+
+    def _pass_to(self, barriers: int) -> None:
+        for _ in range(self._passed, barriers):
+            comm.barrier()
+        self._passed = max(self._passed, barriers)

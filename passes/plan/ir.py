@@ -413,6 +413,13 @@ class Place:
     """Index in its tensor-parallel group."""
 
 
+def _place(index: int, replica: ReplicaPlan, at: int) -> Place:
+    """The place of ``replica.ranks[at]`` (``replica`` being ``StepPlan.replicas[index]``): its (stage, CP rank,
+    TP rank) in the replica's grid."""
+    tp, cp = replica.scheme.tp, replica.scheme.cp
+    return Place(replica=index, stage=at // (tp * cp), cp_rank=at // tp % cp, tp_rank=at % tp)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     """The whole plan of one training step: strategy, replicas with their data, estimates."""
@@ -464,13 +471,8 @@ class StepPlan:
     def places_of(self, rank: int) -> tuple["Place", ...]:
         """Every place of global ``rank`` in the plan, in the order of ``replicas`` (the order a rank of a
         regrouped plan runs its groups in; one place otherwise)."""
-        places = []
-        for index, replica in enumerate(self.replicas):
-            if rank in replica.ranks:
-                at = replica.ranks.index(rank)
-                tp, cp = replica.scheme.tp, replica.scheme.cp
-                places.append(Place(replica=index, stage=at // (tp * cp), cp_rank=at // tp % cp, tp_rank=at % tp))
-        return tuple(places)
+        return tuple(_place(index, replica, replica.ranks.index(rank))
+                     for index, replica in enumerate(self.replicas) if rank in replica.ranks)
 
     def slot_problem(self) -> str | None:
         """What stops a rank from computing with one parameter slice in every group it joins (None: nothing): in
@@ -478,15 +480,15 @@ class StepPlan:
         the same TP group, so that nothing moves between its groups. One pass over the plan."""
         seen: dict[int, tuple[tuple, int]] = {}
         for index, replica in enumerate(self.replicas):
-            tp, pp, cp = replica.scheme.tp, replica.scheme.pp, replica.scheme.cp
+            tp, pp = replica.scheme.tp, replica.scheme.pp
             for at, rank in enumerate(replica.ranks):
-                stage, cp_rank = at // (tp * cp), at // tp % cp
-                key = (tp, pp, stage, replica.tp_group(stage, cp_rank))
+                place = _place(index, replica, at)
+                key = (tp, pp, place.stage, replica.tp_group(place.stage, place.cp_rank))
                 first, i = seen.setdefault(rank, (key, index))
                 if first != key:
                     return (f"rank {rank} computes stage {first[2]} of (tp={first[0]}, pp={first[1]}) with TP group "
-                            f"{list(first[3])} in group {i} and stage {stage} of (tp={tp}, pp={pp}) with TP group "
-                            f"{list(key[3])} in group {index}: a rank's groups must share one parameter slice")
+                            f"{list(first[3])} in group {i} and stage {place.stage} of (tp={tp}, pp={pp}) with TP "
+                            f"group {list(key[3])} in group {index}: a rank's groups must share one parameter slice")
         return None
 
     def to_dict(self, step: int | None = None) -> dict:

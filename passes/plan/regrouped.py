@@ -9,7 +9,7 @@ block of ``c`` slots of one scheme ``(tp)`` forms, for one sequence, a CP group 
 
 1. the sequences no slot holds alone, longest first: each on the option that finishes earliest, over every
    scheme of the layout that has enough slots, with the least power-of-two CP size that holds it
-   (``dynamic_cp.cp_size``), on that scheme's aligned block that is free earliest (a group starts when all of its
+   (:func:`cp_size`), on that scheme's aligned block that is free earliest (a group starts when all of its
    slots are free);
 2. the rest, longest first, onto the slot (of a scheme that holds it) that finishes it earliest, each charged its
    additive time on that slot's scheme; then each slot's share packed into micro-batches by the planner's own
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from passes.plan.assign import Kind, pack_replica
-from passes.plan.dynamic_cp import cp_size
+from passes.plan.context_parallel import ceil_pow2
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, Strategy
 from passes.plan.placement import assign_ranks
 
-__all__ = ["RegroupedPlan", "regrouped_schedule", "slot_layout"]
+__all__ = ["RegroupedPlan", "regrouped_schedule", "slot_layout", "cp_size", "with_cp"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +53,21 @@ class RegroupedPlan:
     def makespan_ms(self) -> float:
         """When the last slot finishes."""
         return max(self.slot_ms, default=0.0)
+
+
+def cp_size(cost_model: CostModel, base: ParallelScheme, seq_len: int) -> int:
+    """The least CP size of one sequence on slots of ``base``: ``ceil_pow2(seq_len / cap)``, doubled while the
+    cost model's cap of ``(tp, pp, cp)`` is below ``seq_len`` (the caps are rounded to 128 tokens); a CP scheme
+    the cost model lacks is a PlanError."""
+    cp = ceil_pow2(seq_len / cost_model.max_tokens(base))
+    while cp > 1 and cost_model.max_tokens(with_cp(base, cp)) < seq_len:
+        cp *= 2
+    return cp
+
+
+def with_cp(base: ParallelScheme, cp: int) -> ParallelScheme:
+    """``base`` with CP size ``cp`` (``base`` itself for 1)."""
+    return base if cp == 1 else ParallelScheme(tp=base.tp, pp=base.pp, cp=cp)
 
 
 def slot_layout(strategy: Strategy) -> Strategy | None:
@@ -169,7 +184,7 @@ def _average_ms(kinds: dict, options: dict, seq_lens: list[int], cap: int, gpus:
 def _cp_options(cost_model: CostModel, known: set, schemes: tuple[ParallelScheme, ...], seq_len: int,
                 memo: dict | None) -> list[tuple[ParallelScheme, int, float]]:
     """(slot scheme, CP size, time) of every CP group of ``layout``'s slots that holds ``seq_len`` tokens: per
-    scheme the least power-of-two CP size that does (``dynamic_cp.cp_size``) and each wider one the cost model
+    scheme the least power-of-two CP size that does (:func:`cp_size`) and each wider one the cost model
     knows (``memo``: the options already found, by scheme and length)."""
     out = []
     for scheme in schemes:
