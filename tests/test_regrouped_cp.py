@@ -1,13 +1,14 @@
 """Regrouped context parallelism trains exactly: on 4 gloo ranks, plans whose ranks re-form CP groups group after
-group inside one step (``StepPlan.regrouped``) train GPT and an unmodified Hugging Face LLaMA, each step equal
-to plain single-process SGD at 1e-5: the loss and every parameter.
+group inside one step (``StepPlan.regrouped``) train GPT, an unmodified Hugging Face LLaMA and Mistral (a sliding
+window of 8 tokens, shorter than every CP chunk, so every group's attention crosses chunk and rank boundaries
+inside the window), each step equal to plain single-process SGD at 1e-5: the loss and every parameter.
 
 - Step "1-2-4": four tp1 slots run a CP group of all 4 slots (a sequence longer than 2 slots hold), then two
   CP groups of 2 slots, then each slot alone with two micro-batches: every rank joins a group of 1, 2 and 4.
 - Step "beside-tp2": a tp2 replica on ranks 0-1 trains its share while ranks 2-3 run a CP group of 2 and then
   one slot each.
 
-GPT moves its parameters overlapped; LLaMA moves them plain and takes turns (``runtime.measure.TakeTurns``: the
+GPT and Mistral move their parameters overlapped; LLaMA moves them plain and takes turns (``runtime.measure.TakeTurns``: the
 groups one by one, in the plan's order, as the harness measures them on few cores). Each rank pulls its slot's
 parameters once, accumulates every group's gradients in one compute copy and pushes them once; every rank's
 point-to-point operations come in an order NCCL completes (``tests/p2p_order.py``), and the collectives of each
@@ -102,7 +103,7 @@ def _train(rank, world, name, overlap, turns):
     return out, (rec.ops, calls.calls)
 
 
-@pytest.mark.parametrize("name,overlap,turns", [("gpt", True, False), ("llama", False, True)])
+@pytest.mark.parametrize("name,overlap,turns", [("gpt", True, False), ("llama", False, True), ("mistral", True, False)])
 def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap, turns):
     per_rank = run_ranks(4, tmp_path, _train, name, overlap, turns, timeout_s=500)
     assert p2p_problems([ops for _, (ops, _) in per_rank]) == []
@@ -114,6 +115,9 @@ def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap, turns
     steps = list(plans().values())
     batches = [_batch(p.seq_lens, _vocab(name)) for p in steps]
     model = _model(name) if name == "gpt" else _HFLogits(_model(name))
+    if name == "mistral":  # the window must cut the CP chunks and the longest sequences, or it tests nothing
+        assert 1 < model.model.config.sliding_window < min(max(p.seq_lens) // 4 for p in steps), \
+            model.model.config.sliding_window
     losses, states = reference_sgd(model, batches, 0.5)
     for step in range(len(steps)):
         for out, _ in per_rank:
