@@ -8,8 +8,9 @@ inside the window), each step equal to plain single-process SGD at 1e-5: the los
 - Step "beside-tp2": a tp2 replica on ranks 0-1 trains its share while ranks 2-3 run a CP group of 2 and then
   one slot each.
 
-GPT and Mistral move their parameters overlapped; LLaMA moves them plain and takes turns (``runtime.measure.TakeTurns``: the
-groups one by one, in the plan's order, as the harness measures them on few cores). Each rank pulls its slot's
+GPT and Mistral move their parameters overlapped; LLaMA moves them plain and takes turns
+(``runtime.measure.TakeTurns``: the groups one by one, in the plan's order, as the harness measures them on few
+cores). Each rank pulls its slot's
 parameters once, accumulates every group's gradients in one compute copy and pushes them once; every rank's
 point-to-point operations come in an order NCCL completes (``tests/p2p_order.py``), and the collectives of each
 group are posted in the plan's order on every rank."""
