@@ -255,6 +255,34 @@ def packed_attention(
     new value compiles nothing): the call's longest span, which sizes the Triton grid (programs of rows past it
     would exit at once); the bound the kernels are specialised and autotuned on is then q's token count.
     """
+    out, _ = packed_attention_op(*packed_attention_args(
+        q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+        validate=validate, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, window=window, chunk=chunk,
+        sinks=sinks))
+    return out
+
+
+def packed_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    softcap: float | None = None,
+    kernel: str = "auto",
+    validate: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple:
+    """:func:`packed_attention`'s arguments checked and encoded as :func:`packed_attention_op` takes them, in its
+    order (the kernel resolved, the scale a float, no window -1, no chunk 0, a tensor ``max_seqlen`` turned into
+    the grid length): for callers that run the op on parts of the same call, such as its heads in groups."""
     grid = None
     if isinstance(max_seqlen, torch.Tensor):
         if max_seqlen.dim() != 0 or max_seqlen.device.type != "cpu" or max_seqlen.dtype.is_floating_point:
@@ -276,6 +304,5 @@ def packed_attention(
         raise ValueError(f"softcap must be a positive number or None (no cap), got {softcap!r}")
     check_limits(causal, window, chunk)
     check_sinks(sinks, q)
-    out, _ = packed_attention_op(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved, cu_seqlens_k,
-                                 max_seqlen_k, -1 if window is None else window, chunk or 0, sinks, grid)
-    return out
+    return (q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, resolved, cu_seqlens_k, max_seqlen_k,
+            -1 if window is None else window, chunk or 0, sinks, grid)

@@ -40,6 +40,7 @@ from passes.graph.normalize import canonical_graph
 from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import split_dims
 from passes.graph.variant import TokenBuckets
+from passes.plan.context_parallel import KV_SPLITS
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, Place, PlanError, StepPlan, Strategy
 from passes.plan.links import Links
@@ -146,6 +147,12 @@ class TrainOptions:
     runtime (``runtime.redistribute``: the whole pull before the compute, the whole push after it)."""
     movement_pieces: int = 4
     """With ``overlap_movement``: the pieces each stage is cut into (at most one per linear or attention)."""
+    kv_splits: int | None = None
+    """Under context parallelism, the head groups each attention's K/V exchange is pipelined over, at most
+    (``passes.graph.kv_exchange``: group g's attention waits only for group g's K/V; 1: one all-gather before
+    the attention). None: ``passes.plan.context_parallel.KV_SPLITS`` on GPUs (what the planner's CP cost
+    assumes), 1 on the CPU, where ``python -m benchmarks.kv_exchange`` measured the pipelined exchange slower
+    (ranks sharing cores gain nothing from overlap and pay for smaller kernel calls)."""
     movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     """With ``overlap_movement``: the most bytes of movement buffers (cast sends, gradient receives) a rank keeps
     in flight; its messages with one peer in one window (``runtime.overlap.largest_unit_numel``) when that is
@@ -177,6 +184,9 @@ class TrainOptions:
         if isinstance(self.movement_pieces, bool) or not isinstance(self.movement_pieces, int) \
                 or self.movement_pieces < 1:
             raise ValueError(f"movement_pieces must be a positive integer, got {self.movement_pieces!r}")
+        if self.kv_splits is not None and (isinstance(self.kv_splits, bool) or not isinstance(self.kv_splits, int)
+                                           or self.kv_splits < 1):
+            raise ValueError(f"kv_splits must be a positive integer or None, got {self.kv_splits!r}")
         check_inflight_bytes(self.movement_inflight_bytes, "movement_inflight_bytes")
         if self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
@@ -278,7 +288,8 @@ class Trainer:
         micro-batch charged the padding up to its bucket, as the variants run it."""
         self.lowerings: LoweringCache = compiled.lowerings(
             *self._compute_copies(), buckets=self.buckets, cost_tokens=self.cost_model.max_tokens,
-            pieces=options.movement_pieces if options.overlap_movement else 1)
+            pieces=options.movement_pieces if options.overlap_movement else 1,
+            kv_splits=options.kv_splits or (KV_SPLITS if self.ctx.device.type == "cuda" else 1))
         """This trainer's lowerings, variants and stage programs (bound to its compute copies)."""
         self.cost_model = self._shaped(self.cost_model, analysed)
         params = sum(p.numel() for p in compiled.model.parameters())

@@ -92,30 +92,32 @@ def _cp_worker(rank, world, lengths, split_at, kernel, limits):
     os.environ["TRITON_INTERPRET"] = "1"
     window, chunk, with_sinks = limits
     torch.manual_seed(0)  # the same whole tensors on every rank; each rank keeps its own rows
-    total, heads_q, heads_kv, dim = sum(lengths), 4, 2, 16
+    total, heads_q, heads_kv, dim = sum(lengths), 8, 4, 16
     q, k, v = (torch.randn(total, h, dim) for h in (heads_q, heads_kv, heads_kv))
     grad = torch.randn(total, heads_q, dim)
     sinks = torch.randn(heads_q) if with_sinks else None
     layout = cp_layout(lengths, cp=world, split_at=split_at)
     rows = _local_rows(layout, rank, lengths)
-    lq, lk, lv = (x[rows].clone().requires_grad_() for x in (q, k, v))
-    ls = sinks.clone().requires_grad_() if with_sinks else None
-    inputs = CpAttentionInputs.build(layout, rank)
-    out = cp_attention(lq, lk, lv, inputs, dist.group.WORLD.group_name, kernel=kernel, window=window, chunk=chunk,
-                       sinks=ls)
-    (out * grad[rows]).sum().backward()
-
     wq, wk, wv = (x.clone().requires_grad_() for x in (q, k, v))
     ws = sinks.clone().requires_grad_() if with_sinks else None
     want = _dense(wq, wk, wv, lengths, window, chunk, ws)
     (want * grad).sum().backward()
-    if with_sinks:  # each rank's rows add their part of the sinks' gradient
-        summed = ls.grad.clone()
-        dist.all_reduce(summed)
-        torch.testing.assert_close(summed, ws.grad, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out, want[rows], atol=3e-5, rtol=3e-5)
-    for name, got, ref in (("q", lq.grad, wq.grad), ("k", lk.grad, wk.grad), ("v", lv.grad, wv.grad)):
-        torch.testing.assert_close(got, ref[rows], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"d{n}: {m}")
+    inputs = CpAttentionInputs.build(layout, rank)
+    for splits in (1, 2, 4):  # one all-gather, and the exchange pipelined over 2 and 4 head groups (GQA: 2 q heads
+        # per kv head, so a group's query heads must follow its kv heads)
+        lq, lk, lv = (x[rows].clone().requires_grad_() for x in (q, k, v))
+        ls = sinks.clone().requires_grad_() if with_sinks else None
+        out = cp_attention(lq, lk, lv, inputs, dist.group.WORLD.group_name, kernel=kernel, window=window,
+                           chunk=chunk, sinks=ls, kv_splits=splits)
+        (out * grad[rows]).sum().backward()
+        if with_sinks:  # each rank's rows add their part of the sinks' gradient
+            summed = ls.grad.clone()
+            dist.all_reduce(summed)
+            torch.testing.assert_close(summed, ws.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, want[rows], atol=3e-5, rtol=3e-5, msg=lambda m, n=splits: f"{n}: {m}")
+        for name, got, ref in (("q", lq.grad, wq.grad), ("k", lk.grad, wk.grad), ("v", lv.grad, wv.grad)):
+            torch.testing.assert_close(got, ref[rows], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, n=name, s=splits: f"splits {s}, d{n}: {m}")
     return layout.tokens(rank)
 
 

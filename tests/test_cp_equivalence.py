@@ -6,7 +6,8 @@ of 8 that each CP rank applies on whole-sequence positions), and in ``make test-
 every parameter. Each CP replica splits the long
 sequences over its ranks (every rank's positions those of the whole sequence, every pair scored once), runs
 several micro-batches, and passes the lowering self-check on a probe first; every rank's point-to-point
-operations come in an order NCCL completes (``tests/p2p_order.py``)."""
+operations come in an order NCCL completes (``tests/p2p_order.py``). GPT gathers each layer's K/V at once; the
+Hugging Face models pipeline the exchange over their kv heads (``kv_splits=4``, ``passes.graph.kv_exchange``)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _train_steps(name):
     for strategy, lens in _steps(name):
         trainer = compiled.trainer(
             loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5}, strategies=[strategy],
-            tokens_per_rank=CAP, calibrate=False)
+            tokens_per_rank=CAP, calibrate=False, kv_splits=1 if name == "gpt" else 4)
         stats = trainer.train_step(_batch(lens, _vocab(name)), strategy=strategy)
         plan = trainer.last_plan.plan
         out.append((stats.loss, stats.strategy, [len(r.micro_batches) for r in plan.replicas],

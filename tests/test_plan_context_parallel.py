@@ -1,9 +1,12 @@
 """Context parallelism in the planner (``passes/plan/context_parallel.py``): the IR's text forms with cp, the
 CP schemes' costs and memory, which CP schemes are considered, and movement places of CP replicas."""
 
+import dataclasses
+
 import pytest
 
-from passes.plan.context_parallel import ceil_pow2, cp_cost, cp_schemes, needs_cp, with_context_parallel
+from passes.plan.context_parallel import (KV_SPLITS, ceil_pow2, cp_cost, cp_schemes, kv_splits, needs_cp,
+                                          with_context_parallel)
 from passes.plan.cost_model import HCOMPILE_RUNTIME, build_cost_model, default_optimizer_layout, load_profile
 from passes.plan.ir import ParallelScheme, PlanError, SchemeCost, Strategy
 from passes.plan.links import link_preset
@@ -53,22 +56,41 @@ def _gather_ms_per_token(tp: int, cp: int, gbps: float) -> float:
     return bytes_per_token / (gbps * 1e9) * 1e3
 
 
-def test_cp_cost_splits_compute_and_charges_the_exchange_in_full():
+def test_cp_cost_splits_compute_and_charges_the_first_head_group_of_the_exchange():
+    """llama-32b is MHA (64 kv heads): a tp8 rank has 8, so the runtime pipelines its exchange over 4 groups of 2
+    and the first group's quarter is exposed; the other three quarters run beside the attention (``exchange``),
+    slowing it by the links' overlap slowdown."""
     base = BASE.cost(ParallelScheme(tp=8))
     costs = {cp: cp_cost(PROFILE, base, cp, LINKS, LAYOUT, HCOMPILE_RUNTIME) for cp in (2, 4, 8)}
+    assert kv_splits(PROFILE.heads // 8) == KV_SPLITS == 4
     for cp, e in costs.items():
         gbps = LINKS.intra_gbps if 8 * cp <= LINKS.gpus_per_node else LINKS.inter_gbps
+        gather = _gather_ms_per_token(8, cp, gbps)
         assert e.a == pytest.approx(base.a / cp)
-        assert e.b == pytest.approx(base.b / cp + _gather_ms_per_token(8, cp, gbps))  # exposed: the attention
-        assert e.c == pytest.approx(base.c + PROFILE.layers * 2 * (cp - 1) * LINKS.latency_us * 1e-3)  # waits
-        assert e.exchange == 0  # nothing hides behind the attention
+        assert e.b == pytest.approx(base.b / cp + gather / 4 + LINKS.overlap_slowdown * gather * 3 / 4)
+        assert e.c == pytest.approx(base.c + PROFILE.layers * 2 * (cp - 1) * LINKS.latency_us * 1e-3)
+        assert e.exchange == pytest.approx(gather * 3 / 4)
+        long = 120_000  # the attention of a long sequence hides the rest
+        assert e.seq_ms(long) == pytest.approx(e.b * long + e.a * long ** 2)
     long = 120_000  # more CP ranks take less time each on a long sequence
     assert base.seq_ms(long) > costs[2].seq_ms(long) > costs[4].seq_ms(long) > costs[8].seq_ms(long)
     # a group across nodes (tp4 x cp4) pays the network, one inside a node (tp4 x cp2) NVLink
     tp4 = BASE.cost(ParallelScheme(tp=4))
     inside, across = (cp_cost(PROFILE, tp4, cp, LINKS, LAYOUT, HCOMPILE_RUNTIME) for cp in (2, 4))
-    assert inside.b - tp4.b / 2 == pytest.approx(_gather_ms_per_token(4, 2, LINKS.intra_gbps))
-    assert across.b - tp4.b / 4 == pytest.approx(_gather_ms_per_token(4, 4, LINKS.inter_gbps))
+    assert inside.exchange * 4 / 3 == pytest.approx(_gather_ms_per_token(4, 2, LINKS.intra_gbps))
+    assert across.exchange * 4 / 3 == pytest.approx(_gather_ms_per_token(4, 4, LINKS.inter_gbps))
+
+
+def test_a_rank_with_one_kv_head_pays_the_exchange_in_full():
+    gqa = dataclasses.replace(PROFILE, kv_heads=8)  # 8 kv heads: one per tp8 rank, nothing to pipeline
+    base = BASE.cost(ParallelScheme(tp=8))
+    e = cp_cost(gqa, base, 2, LINKS, LAYOUT, HCOMPILE_RUNTIME)
+    gather = _gather_ms_per_token(8, 2, LINKS.inter_gbps) * 8 / 64  # 16 GPUs: across nodes
+    assert e.exchange == 0
+    assert e.b == pytest.approx(base.b / 2 + gather)
+    two = cp_cost(gqa, BASE.cost(ParallelScheme(tp=4)), 2, LINKS, LAYOUT, HCOMPILE_RUNTIME)  # 2 kv heads: halves
+    assert two.exchange == pytest.approx(_gather_ms_per_token(4, 2, LINKS.intra_gbps) * 8 / 64 / 2)
+    assert [kv_splits(n) for n in (1, 2, 3, 6, 8, 64)] == [1, 2, 3, 3, 4, 4]
 
 
 def test_exchange_counts_only_what_attention_cannot_hide():

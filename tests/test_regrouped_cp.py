@@ -8,7 +8,8 @@ inside the window), each step equal to plain single-process SGD at 1e-5: the los
 - Step "beside-tp2": a tp2 replica on ranks 0-1 trains its share while ranks 2-3 run a CP group of 2 and then
   one slot each.
 
-GPT and Mistral move their parameters overlapped; LLaMA moves them plain and takes turns
+GPT and Mistral move their parameters overlapped and pipeline their K/V exchange over head groups
+(``passes.graph.kv_exchange``); LLaMA moves them plain, gathers its K/V at once and takes turns
 (``runtime.measure.TakeTurns``: the groups one by one, in the plan's order, as the harness measures them on few
 cores). Each rank pulls its slot's
 parameters once, accumulates every group's gradients in one compute copy and pushes them once; every rank's
@@ -93,7 +94,8 @@ def _train(rank, world, name, overlap, turns):
     compiled = hcompile.compile(_model(name), buckets=BUCKETS)
     trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
                                strategies=["4x(tp1)"], tokens_per_rank=CAP, calibrate=False,
-                               overlap_movement=overlap, replicas_take_turns=turns)
+                               overlap_movement=overlap, replicas_take_turns=turns,
+                               kv_splits=1 if name == "llama" else 4)
     out = []
     for plan in plans().values():  # warmed first: the steps below are what the order is checked on
         trainer._warm_for(plan)
@@ -113,6 +115,10 @@ def test_regrouped_steps_match_single_process_sgd(tmp_path, name, overlap, turns
     # the CP groups' K/V all-gathers are among them: 2-rank and 4-rank groups of the tp1 slots
     sizes = {len(c.group) for rank in calls for c in rank if c.op in ("all_gather_single", "all_gather_into_tensor")}
     assert {2, 4} <= sizes, sizes
+    # GPT (4 kv heads) and Mistral (2) gather one kv head at a time (pipelined); LLaMA its 2 at once
+    heads = {c.shape[1] for rank in calls for c in rank
+             if c.op in ("all_gather_single", "all_gather_into_tensor") and len(c.shape) == 3}
+    assert heads == ({2} if name == "llama" else {1}), heads
     steps = list(plans().values())
     batches = [_batch(p.seq_lens, _vocab(name)) for p in steps]
     model = _model(name) if name == "gpt" else _HFLogits(_model(name))

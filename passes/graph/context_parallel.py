@@ -32,6 +32,8 @@ from torch import fx
 
 import codegen
 from passes.graph.collectives import CP_ALL_GATHER
+from passes.graph.kv_exchange import KV_SPLITS, cp_pipelined_attention
+from passes.graph.kv_exchange import kv_splits as kv_splits_for
 from passes.graph.packed_attention import packed_positions
 from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
 
@@ -209,15 +211,17 @@ class CpAttentionInputs:
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: CpAttentionInputs, group: str, *,
                  softmax_scale: float | None = None, softcap: float | None = None, kernel: str = "auto",
                  window: int | None = None, chunk: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, kv_splits: int = KV_SPLITS) -> torch.Tensor:
     """Causal attention of this CP rank's queries (T_local, heads, dim) over their whole sequences, whose keys
     and values are spread over the group named ``group``; differentiable in q, k and v (k and v's gradients
     include what the other ranks' queries contribute). ``window``, ``chunk``, ``sinks``: as the packed op takes
-    them, positions counted over the whole sequence (each query piece's keys start at its sequence's start)."""
+    them, positions counted over the whole sequence (each query piece's keys start at its sequence's start).
+    ``kv_splits``: the head groups the K/V exchange is pipelined over, at most (``passes.graph.kv_exchange``;
+    1: one all-gather before the attention)."""
     return cp_packed_attention(q, k, v, inputs.key_rows, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
                                inputs.max_seqlen_q, inputs.max_seqlen_k, group=group, width=inputs.width,
                                cp=inputs.cp, rank=inputs.rank, softmax_scale=softmax_scale, softcap=softcap,
-                               kernel=kernel, window=window, chunk=chunk, sinks=sinks)
+                               kernel=kernel, window=window, chunk=chunk, sinks=sinks, kv_splits=kv_splits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,12 +278,19 @@ def cp_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_r
                         group: str, width: int, cp: int, rank: int, causal: bool = True,
                         softmax_scale: float | None = None, softcap: float | None = None, kernel: str = "auto",
                         window: int | None = None, chunk: int | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, kv_splits: int = 1) -> torch.Tensor:
     """:func:`cp_attention` with its inputs spelled out, as the rewritten graph calls it (the name says packed
     attention, so graph analysis costs it as attention). ``width``: the rows every rank gathers (its token
-    count, padding included); ``causal`` must be True (a context-parallel chunk sees its sequence's start)."""
+    count, padding included); ``causal`` must be True (a context-parallel chunk sees its sequence's start);
+    ``kv_splits``: as :func:`cp_attention` takes it."""
     if not causal:
         raise ValueError("context-parallel attention is causal only")
+    splits = kv_splits_for(k.shape[1], kv_splits)
+    if splits > 1:
+        return cp_pipelined_attention(q, k, v, key_rows, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
+                                      group=group, width=width, cp=cp, rank=rank, splits=splits,
+                                      softmax_scale=softmax_scale, softcap=softcap, kernel=kernel, window=window,
+                                      chunk=chunk, sinks=sinks)
     k_all = CP_ALL_GATHER(k, group, width, cp, rank)
     v_all = CP_ALL_GATHER(v, group, width, cp, rank)
     return codegen.packed_attention(q, k_all.index_select(0, key_rows), v_all.index_select(0, key_rows), cu_seqlens,
@@ -307,6 +318,7 @@ def rewrite_context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     if cp == 1:
         return PassResult(graph_module=gm, modified=False)
     group, rank = ctx.option("rewrite_context_parallel_pass.group"), ctx.option("rewrite_context_parallel_pass.rank")
+    splits = ctx.option("rewrite_context_parallel_pass.kv_splits", 1)
     if not group or not isinstance(rank, int) or not 0 <= rank < cp:
         raise PassError(f"context parallel: cp={cp} needs options group (a process group name) and rank in "
                         f"[0, {cp}); got group={group!r}, rank={rank!r}")
@@ -330,7 +342,7 @@ def rewrite_context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
         kwargs = {key: value for key, value in node.kwargs.items() if key != "validate"}
         node.target = cp_packed_attention
         node.args = (q, k, v, key_rows, cu, cu_k, max_seqlen, cp * total)
-        node.kwargs = {**kwargs, "group": group, "width": total, "cp": cp, "rank": rank}
+        node.kwargs = {**kwargs, "group": group, "width": total, "cp": cp, "rank": rank, "kv_splits": splits}
     swapped = 0
     for node in graph.nodes:
         if node.op == "call_function" and node.target is packed_positions:

@@ -82,6 +82,9 @@ class Lowering:
     attention: tuple[tuple[str, MaskLimits], ...] = ()
     """Per attention (node name), what it keeps of each sequence, decided for every length the scheme trains
     (``passes.graph.attention_masks.decide_attention_limits``); empty: each capture's own."""
+    kv_splits: int = 1
+    """Under cp > 1, the head groups the attention's K/V exchange is pipelined over, at most
+    (``passes.graph.kv_exchange``; 1: one all-gather before the attention)."""
 
     @property
     def attention_limits(self) -> dict[str, MaskLimits] | None:
@@ -110,12 +113,14 @@ class Lowered:
 
 def _context(scheme: ParallelScheme, tp_rank: int, tp_group: str | None, kernel: str,
              tensor_parallel: TensorParallelPlan | None, pipeline: PipelinePlan | None, cp_rank: int = 0,
-             cp_group: str | None = None, attention: Mapping[str, MaskLimits] | None = None) -> PassContext:
+             cp_group: str | None = None, attention: Mapping[str, MaskLimits] | None = None,
+             kv_splits: int = 1) -> PassContext:
     options: dict = {"rewrite_packed_attention_pass.kernel": kernel}
     if attention is not None:
         options["rewrite_packed_attention_pass.limits"] = dict(attention)
     if scheme.cp > 1:
-        options.update({"rewrite_context_parallel_pass.group": cp_group, "rewrite_context_parallel_pass.rank": cp_rank})
+        options.update({"rewrite_context_parallel_pass.group": cp_group, "rewrite_context_parallel_pass.rank": cp_rank,
+                        "rewrite_context_parallel_pass.kv_splits": kv_splits})
     if tensor_parallel is not None:
         options["shard_tensor_parallel_pass.plan"] = tensor_parallel
     if pipeline is not None:
@@ -130,18 +135,18 @@ def _replicated(gm: fx.GraphModule) -> tuple[ParamSlice, ...]:
 def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0, tp_group: str | None = None,
                 attention_kernel: str = "auto", tensor_parallel: TensorParallelPlan | None = None,
                 pipeline: PipelinePlan | None = None, cp_rank: int = 0, cp_group: str | None = None,
-                attention: Mapping[str, MaskLimits] | None = None) -> Lowered:
+                attention: Mapping[str, MaskLimits] | None = None, kv_splits: int = 1) -> Lowered:
     """Apply the lowering passes to a copy of ``captured`` with decided plans (:func:`decide_lowerings`):
     canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention (each
     attention's decided limits, ``attention``; None: the capture's own), context parallel (cp > 1: attention
-    over ``cp_group``, this rank ``cp_rank``), the pipeline cut (``pipeline``, required when pp > 1). Nothing is
-    decided here."""
+    over ``cp_group``, this rank ``cp_rank``, its K/V exchange pipelined over ``kv_splits`` head groups at most),
+    the pipeline cut (``pipeline``, required when pp > 1). Nothing is decided here."""
     if (scheme.tp > 1) != (tensor_parallel is not None) or (scheme.pp > 1) != (pipeline is not None):
         raise ValueError(f"lowering {scheme.describe()} needs a tensor-parallel plan exactly when tp > 1 and a "
                          f"pipeline cut exactly when pp > 1; got {type(tensor_parallel).__name__}, "
                          f"{type(pipeline).__name__}")
     ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, pipeline, cp_rank, cp_group,
-                   attention)
+                   attention, kv_splits)
     gm, records = run_passes(copy_graph_module(captured), LOWERING_PASSES, ctx)
     params = tensor_parallel.params if tensor_parallel is not None else _replicated(captured)
     return Lowered(graph_module=gm, params=params, records=records)
@@ -150,8 +155,8 @@ def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: in
 def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: int = 0,
                      tp_group: str | None = None, attention_kernel: str = "auto", vocab_parallel: bool = False,
                      cost_tokens: int | None = None, pieces: int = 1, cp_rank: int = 0,
-                     cp_group: str | None = None,
-                     attention: Mapping[str, MaskLimits] | None = None) -> tuple[Lowering, ...]:
+                     cp_group: str | None = None, attention: Mapping[str, MaskLimits] | None = None,
+                     kv_splits: int = 1) -> tuple[Lowering, ...]:
     """One :class:`Lowering` per pipeline stage of ``scheme`` for TP rank ``tp_rank``, decided on ``analysed``
     (any capture of the model): the tensor-parallel plan on its canonical form, the pipeline cut on its
     tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
@@ -159,7 +164,8 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
     embedding and LM head by vocabulary rows when tp > 1. ``pieces``: cut each stage into this many pieces of
     about equal cost (at most one per costed node) for overlapped movement. ``cp_rank`` / ``cp_group``: this
     rank's place in its context-parallel group (cp > 1); the pipeline cut is decided on the CP graph.
-    ``attention``: every attention's limits, decided for the run (None: each capture's own)."""
+    ``attention``: every attention's limits, decided for the run (None: each capture's own). ``kv_splits``: as
+    :func:`lower_graph` takes it."""
     gm, _ = run_passes(copy_graph_module(analysed), CANONICAL_PASSES, PassContext())
     tensor_parallel = None
     if scheme.tp > 1:
@@ -169,18 +175,18 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
     pipeline = None
     if scheme.pp > 1:  # the cut is decided on the rewritten graph; without one, lower_graph below rewrites it
         ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group,
-                       attention)
+                       attention, kv_splits)
         gm, _ = run_passes(gm, [shard_tensor_parallel_pass, rewrite_packed_attention_pass,
                                 rewrite_context_parallel_pass], ctx)
         pipeline = decide_pipeline_split(gm, scheme.pp, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
     lowered = lower_graph(analysed, scheme, tp_rank=tp_rank, tp_group=tp_group, attention_kernel=attention_kernel,
                           tensor_parallel=tensor_parallel, pipeline=pipeline, cp_rank=cp_rank, cp_group=cp_group,
-                          attention=attention)
+                          attention=attention, kv_splits=kv_splits)
     out = []
     for s in range(scheme.pp):
         lowering = dataclasses.replace(_stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline),
                                        cp_rank=cp_rank, cp_group=cp_group,
-                                       attention=tuple(sorted((attention or {}).items())))
+                                       attention=tuple(sorted((attention or {}).items())), kv_splits=kv_splits)
         stage_gm = _stage_module(lowered.graph_module, pipeline, s)
         count = min(pieces, costed_nodes(stage_gm))
         if count > 1:
@@ -224,7 +230,7 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
     lowered = lower_graph(captured, lowering.scheme, tp_rank=lowering.tp_rank, tp_group=tp_group,
                           attention_kernel=attention_kernel, tensor_parallel=lowering.tensor_parallel,
                           pipeline=lowering.pipeline, cp_rank=lowering.cp_rank, cp_group=lowering.cp_group,
-                          attention=lowering.attention_limits)
+                          attention=lowering.attention_limits, kv_splits=lowering.kv_splits)
     stage_gm = _stage_module(lowered.graph_module, lowering.pipeline, lowering.stage)
     counter = CompileCounter(compile_backend)
 
@@ -270,14 +276,18 @@ class LoweringCache:
     the capture at the smallest bucket (the analysed capture), each bucket's variant applies them to that
     bucket's capture. ``buffers``: the model's own buffers, for those a capture on meta stand-ins read.
     ``cost_tokens(scheme)``: the longest micro-batch a scheme runs, which the pipeline cut costs attention
-    at (None: the analysed capture's tokens)."""
+    at (None: the analysed capture's tokens). ``kv_splits``: the head groups a CP rank's K/V exchange is
+    pipelined over, at most (1: one all-gather before each attention)."""
 
     def __init__(self, capture: Callable[[int], fx.GraphModule], buckets: TokenBuckets, *, kernel: str = "auto",
                  compile_backend: str = "eager", buffers: Mapping[str, torch.Tensor] | None = None,
                  cost_tokens: Callable[[ParallelScheme], int] | None = None, vocab_parallel: bool = False,
-                 model_name: str = "the model", pieces: int = 1):
+                 model_name: str = "the model", pieces: int = 1, kv_splits: int = 1):
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"pieces must be a positive integer, got {pieces!r}")
+        if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or kv_splits < 1:
+            raise ValueError(f"kv_splits must be a positive integer, got {kv_splits!r}")
+        self.kv_splits = kv_splits
         self.pieces = pieces
         """Pieces each stage is cut into for overlapped movement (1: not cut)."""
         self.capture, self.buckets, self.kernel, self.compile_backend = capture, buckets, kernel, compile_backend
@@ -319,7 +329,7 @@ class LoweringCache:
                 self.capture(self.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=tp_group,
                 attention_kernel=self.kernel, vocab_parallel=self.vocab_parallel,
                 cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None, pieces=self.pieces,
-                cp_rank=cp_rank, cp_group=cp_group, attention=self.attention_limits(scheme))
+                cp_rank=cp_rank, cp_group=cp_group, attention=self.attention_limits(scheme), kv_splits=self.kv_splits)
         return self._lowerings[key][stage]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int = 0,

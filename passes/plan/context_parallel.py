@@ -8,10 +8,16 @@ cost per stage is derived from the profiled ``(tp, pp)`` scheme as the runtime c
 rank all-gathers the K/V of the other ``cp - 1`` ranks' shares before its attention and reduce-scatters their
 gradients after its backward (two passes of ``(cp - 1) / cp`` of the micro-batch's K/V, the rank's ``1/tp`` of
 the kv heads, bf16), over the slowest link of the group (inside a node when ``tp * cp`` fits in one, else one
-network port per GPU), ``cp - 1`` message start-ups per pass (a ring collective). The attention of a layer
-needs all of its K/V, so the exchange does not hide behind it: it is charged in full, its bytes per token in
-``b`` and its start-ups in ``c``. (``SchemeCost.exchange``, the exchange a ring runtime would hide behind the
-attention, stays 0 for these schemes.) A profile that measured a CP scheme (``hcompile profile --cp``) gives
+network port per GPU), ``cp - 1`` message start-ups per pass (a ring collective). The runtime pipelines the
+exchange over :func:`kv_splits` groups of the rank's kv heads (``passes.graph.kv_exchange``): a group's
+attention waits only for its own K/V, so the first group's exchange is exposed and the rest runs beside the
+attention. The exposed share (``1/splits`` of the bytes, one group's start-ups) is charged in ``b`` and ``c``;
+the rest is :attr:`SchemeCost.exchange`, which costs a sequence ``max(a s^2, exchange s)`` with its attention
+(what stays exposed when the exchange is longer than the attention), plus ``Links.overlap_slowdown`` of it in
+``b`` (the attention slowed by the transfers beside it). The model keeps forward and backward together: the
+forward's gather runs beside a third of the attention, so where the exchange is more than two thirds of the
+attention this under-counts what the forward exposes. A rank with one kv head (GQA at high TP) cannot split:
+its exchange is charged in full. A profile that measured a CP scheme (``hcompile profile --cp``) gives
 its cost directly and is used as it is. The memory model already divides the activations per token by ``cp``
 (``cost_model.max_tokens_for``); the gathered K/V of one layer are not counted.
 
@@ -30,7 +36,7 @@ from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Str
 from passes.plan.links import Links
 from passes.plan.placement import group_aligns
 
-__all__ = ["CP_MODES", "KV_BYTES", "ceil_pow2", "cp_cost", "cp_schemes", "needs_cp", "with_context_parallel"]
+__all__ = ["CP_MODES", "KV_BYTES", "KV_SPLITS", "kv_splits", "ceil_pow2", "cp_cost", "cp_schemes", "needs_cp", "with_context_parallel"]
 
 CP_MODES = ("auto", "on", "off")
 """``auto``: CP schemes only when a sequence is longer than every other scheme holds; ``on``: always; ``off``:
@@ -39,6 +45,17 @@ KV_BYTES = 2
 """Bytes of one K or V element in the exchange (bf16)."""
 _EXCHANGE_PASSES = 2
 """The K/V all-gathered in the forward, their gradients reduce-scattered in the backward."""
+KV_SPLITS = 4
+"""Head groups the runtime pipelines the K/V exchange over, at most (``passes.graph.kv_exchange``; fewer where
+a rank's kv heads do not divide so)."""
+
+
+def kv_splits(kv_heads: int, wanted: int = KV_SPLITS) -> int:
+    """The head groups a rank with ``kv_heads`` key/value heads pipelines its exchange over: the largest divisor
+    of ``kv_heads`` that is at most ``wanted`` (1: one all-gather, nothing pipelined)."""
+    if kv_heads < 1 or wanted < 1:
+        raise ValueError(f"kv_heads={kv_heads} and wanted={wanted} must be >= 1")
+    return max(d for d in range(1, min(kv_heads, wanted) + 1) if kv_heads % d == 0)
 
 
 def ceil_pow2(x: float) -> int:
@@ -57,11 +74,21 @@ def _kv_width(profile: Profile) -> float:
     return profile.hidden * profile.kv_heads / profile.heads
 
 
+def _local_kv_heads(profile: Profile, tp: int) -> int:
+    """Key/value heads on one rank of a TP group of ``tp`` (at least one: kv heads fewer than ``tp`` are
+    replicated); 1 where the profile gives no head counts, so that nothing is assumed pipelined."""
+    if profile.heads is None:
+        return 1
+    return max(1, (profile.kv_heads or profile.heads) // tp)
+
+
 def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: Strategy,
             runtime: RuntimeMemory | None = None) -> SchemeCost:
-    """The cost of ``base``'s scheme with ``cp`` CP ranks per TP rank (module docstring): ``a/cp``, ``b/cp`` plus
-    the exposed K/V exchange per token from ``links``, ``c`` plus its start-ups, ``max_tokens`` from the memory
-    model under ``layout`` (``runtime`` as in ``cost_model.state_bytes``)."""
+    """The cost of ``base``'s scheme with ``cp`` CP ranks per TP rank (module docstring): ``a/cp``; ``b/cp`` plus
+    the exposed share of the K/V exchange per token from ``links`` (one of the rank's :func:`kv_splits` head
+    groups) and the slowdown the rest costs the attention it runs beside (``Links.overlap_slowdown``); the rest
+    as :attr:`SchemeCost.exchange`; ``c`` plus one head group's start-ups; ``max_tokens`` from the memory model
+    under ``layout`` (``runtime`` as in ``cost_model.state_bytes``)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
         raise PlanError(f"a CP degree must be an integer >= 2, got {cp!r}")
     b = base.scheme
@@ -73,9 +100,12 @@ def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: S
     gbps = links.intra_gbps if same_node else links.inter_gbps
     per_token = _EXCHANGE_PASSES * (cp - 1) / cp * 2 * _kv_width(profile) / b.tp * KV_BYTES  # bytes per layer
     exchange = layers * per_token / (gbps * 1e6)
+    splits = kv_splits(_local_kv_heads(profile, b.tp))
+    hidden = exchange * (splits - 1) / splits
     startups = layers * _EXCHANGE_PASSES * (cp - 1) * links.latency_us * 1e-3
-    return SchemeCost(scheme=scheme, a=base.a / cp, b=base.b / cp + exchange, c=base.c + startups,
-                      max_tokens=max_tokens_for(profile, scheme, layout, runtime), shape=base.shape)
+    return SchemeCost(scheme=scheme, a=base.a / cp,
+                      b=base.b / cp + exchange / splits + links.overlap_slowdown * hidden, c=base.c + startups,
+                      max_tokens=max_tokens_for(profile, scheme, layout, runtime), exchange=hidden, shape=base.shape)
 
 
 def _no_cp_caps(cost_model: CostModel, gpus: int) -> list[int]:
