@@ -15,6 +15,9 @@ Owns two things.
   ring: with grouped-query attention K/V are a small part of the activations (Llama 3 makes the same choice),
   one collective per layer instead of cp - 1 dependent steps, and the backward is the kernel's own with no
   log-sum-exp merging; the price is every rank holding one whole sequence's K/V per layer during attention.
+  With ``kv_splits`` > 1 the exchange is pipelined over groups of the rank's kv heads, each group's attention
+  waiting only for its own K/V (``passes.graph.kv_exchange``): the same numbers, the exchange beside the
+  attention.
 
 The index tensors (:class:`CpAttentionInputs`) are built once per micro-batch on the host and moved to the
 device with the tokens: nothing here reads a device tensor back. ``rewrite_context_parallel_pass`` turns a
