@@ -5,8 +5,15 @@ import dataclasses
 
 import pytest
 
-from passes.plan.context_parallel import (KV_SPLITS, ceil_pow2, cp_cost, cp_schemes, kv_splits, needs_cp,
-                                          with_context_parallel)
+from passes.plan.context_parallel import (
+    KV_SPLITS,
+    ceil_pow2,
+    cp_cost,
+    cp_schemes,
+    kv_splits,
+    needs_cp,
+    with_context_parallel,
+)
 from passes.plan.cost_model import HCOMPILE_RUNTIME, build_cost_model, default_optimizer_layout, load_profile
 from passes.plan.ir import ParallelScheme, PlanError, SchemeCost, Strategy
 from passes.plan.links import link_preset

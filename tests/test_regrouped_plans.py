@@ -77,8 +77,8 @@ def test_slot_layouts_and_a_sequence_no_group_holds():
 
 
 def test_hydraulis_with_regrouping_is_never_slower_than_dynamic_cp():
-    """Compute only, the long-context preset (1M tokens a step) on 128 A800s: hydraulis plans dynamic-cp's own layout among its
-    regrouped candidates, so no step is slower; some steps regroup."""
+    """Compute only, the long-context preset (1M tokens a step) on 128 A800s: hydraulis plans dynamic-cp's own
+    layout among its regrouped candidates, so no step is slower; some steps regroup."""
     from hcompile.tools.simulate import PlanJob, prepare
 
     planner, _, batches = prepare(PlanJob(dataset="long-context", gpus=GPUS, global_tokens=1_000_000, steps=2,

@@ -36,7 +36,8 @@ from passes.plan.ir import CostModel, ParallelScheme, PlanError, SchemeCost, Str
 from passes.plan.links import Links
 from passes.plan.placement import group_aligns
 
-__all__ = ["CP_MODES", "KV_BYTES", "KV_SPLITS", "kv_splits", "ceil_pow2", "cp_cost", "cp_schemes", "needs_cp", "with_context_parallel"]
+__all__ = ["CP_MODES", "KV_BYTES", "KV_SPLITS", "kv_splits", "ceil_pow2", "cp_cost", "cp_schemes", "needs_cp",
+           "with_context_parallel"]
 
 CP_MODES = ("auto", "on", "off")
 """``auto``: CP schemes only when a sequence is longer than every other scheme holds; ``on``: always; ``off``:
