@@ -28,18 +28,18 @@ SPLITS = (1, 2, 4)
 def _rank(rank: int, world: int, tokens: int, heads: int, kv_heads: int, head_dim: int, splits: tuple[int, ...],
           repeats: int, backend: str) -> dict:
     import torch
-    import torch.distributed as dist
 
     import codegen
     from passes.graph.collectives import CP_ALL_GATHER
     from passes.graph.context_parallel import CpAttentionInputs, cp_attention, cp_layout
     from passes.plan.context_parallel import kv_splits
+    from runtime import distributed as comm
 
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layout = cp_layout([tokens], world)
     inputs = CpAttentionInputs.build(layout, rank, device=device)
-    group = dist.group.WORLD.group_name
+    group = comm.group_name(comm.world_group())
     n = layout.tokens(rank)
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(n, h, head_dim, generator=gen).to(device, dtype) for h in (heads, kv_heads, kv_heads))
@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, tokens: int, heads: int, kv_heads: int, head_di
     def timed(fn: Callable[[], None]) -> float:
         runs = []
         for i in range(repeats + 1):
-            dist.barrier()
+            comm.barrier()
             sync()
             started = time.perf_counter()
             fn()

@@ -11,6 +11,8 @@ group's ``group_name`` so that the graph stays printable and compilable:
   (after a vocab-parallel LM head);
 - ``cp_all_gather``: forward every context-parallel rank's keys or values padded to one width and stacked,
   backward the sum over the group of this rank's rows (``passes.graph.context_parallel``);
+- ``post_cp_gather`` / ``post_cp_grad_return``: the same two exchanges posted asynchronously, for the K/V
+  exchange pipelined over head groups (``passes.graph.kv_exchange``): each returns the work to wait on;
 
 and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows; :func:`all_reduce_tensor`,
 a plain (not autograd) sum or max over a named group; :func:`is_nccl` / :func:`uses_nccl`, whether a backend
@@ -27,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["is_nccl", "uses_nccl", "all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather",
-           "vocab_parallel_embedding", "cp_all_gather", "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER",
+           "vocab_parallel_embedding", "cp_all_gather", "post_cp_gather", "post_cp_grad_return",
+           "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER",
            "CP_ALL_GATHER"]
 
 
@@ -188,6 +191,26 @@ def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 cp_all_gather.register_autograd(_cp_gather_grad, setup_context=_setup_cp_gather)
+
+
+def post_cp_gather(out: torch.Tensor, mine: torch.Tensor, group: str) -> dist.Work:
+    """Post the all-gather of every rank's contiguous ``mine`` (the same shape on every rank) into ``out`` (the
+    ranks' blocks in rank order) over the group named ``group``; wait on the returned work before reading
+    ``out`` (on NCCL that makes the current stream wait, not the host)."""
+    return _ALL_GATHER_SINGLE(out, mine, group=_resolve_process_group(group), async_op=True)
+
+
+def post_cp_grad_return(full: torch.Tensor, group: str, rank: int) -> tuple[dist.Work, torch.Tensor]:
+    """Post the sum over the group named ``group`` of ``full`` (every rank's equal blocks in rank order) and
+    return (the work, this rank's block ``rank`` of the sum, to read after the work is waited on): a reduce-
+    scatter on NCCL; gloo has none, so an all-reduce of ``full`` in place, this rank's rows a view of it."""
+    pg = _resolve_process_group(group)
+    world = dist.get_world_size(pg)
+    width = full.shape[0] // world
+    if uses_nccl(pg):
+        mine = full.new_empty((width, *full.shape[1:]))
+        return _REDUCE_SCATTER_SINGLE(mine, full, group=pg, async_op=True), mine
+    return dist.all_reduce(full, group=pg, async_op=True), full[rank * width:(rank + 1) * width]
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, group: str) -> torch.Tensor:

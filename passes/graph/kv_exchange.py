@@ -14,12 +14,12 @@ every group is a whole attention of its own: no log-sum-exp merging, the same ke
   keeping its own rows), posted at once, while group g + 1's backward computes; every rank waits for them all
   at the end.
 
-The single-tensor collectives are looked up in ``passes.graph.collectives`` at each call (its aliases for the
-names torch 2.13 renamed), where ``tests/collective_order.py`` records them. Every rank of the group posts the
-same collectives in the same order (K then V, group by group), so the
-exchange is NCCL-safe. The gathered K/V of every group are kept for the backward, as the unpipelined path keeps
-its gathered copies: the memory is the same. Exactness is tested against naive attention over whole sequences
-(``tests/test_kv_exchange.py``).
+The collectives are ``passes.graph.collectives``' (the one graph module that calls torch.distributed), where
+``tests/collective_order.py`` records them. Every rank of the group posts the same collectives in the same
+order (K then V, group by group), so the exchange is NCCL-safe. The gathered K/V of every group are kept for
+the backward, as the unpipelined path keeps its gathered copies: the memory is the same. Exactness is tested
+against naive attention over whole sequences (``tests/test_context_parallel.py``) and in whole training steps
+(``tests/test_regrouped_cp.py``, ``tests/test_cp_equivalence.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 import codegen
-from passes.graph import collectives
-from passes.graph.collectives import uses_nccl
+from passes.graph.collectives import post_cp_gather, post_cp_grad_return
 from passes.plan.context_parallel import KV_SPLITS, kv_splits
 
 __all__ = ["KV_SPLITS", "kv_splits", "cp_pipelined_attention", "CP_PIPELINED_ATTENTION"]
@@ -56,12 +53,11 @@ def cp_pipelined_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward (module docstring): (out, lse, gathered K, gathered V), the gathered as (splits, cp * width,
     kv_heads / splits, dim) for the backward. The arguments after ``splits`` are the packed op's, encoded."""
-    pg = _resolve_process_group(group)
     k_all = k.new_empty((splits, cp * width, k.shape[1] // splits, k.shape[2]))
     v_all = torch.empty_like(k_all)
     k_mine, v_mine = _padded_groups(k, width, splits), _padded_groups(v, width, splits)
-    works = [(collectives._ALL_GATHER_SINGLE(k_all[g], k_mine[g], group=pg, async_op=True),
-              collectives._ALL_GATHER_SINGLE(v_all[g], v_mine[g], group=pg, async_op=True)) for g in range(splits)]
+    works = [(post_cp_gather(k_all[g], k_mine[g], group), post_cp_gather(v_all[g], v_mine[g], group))
+             for g in range(splits)]
     hq = q.shape[1] // splits
     outs, lses = [], []
     for g, (wk, wv) in enumerate(works):
@@ -95,8 +91,6 @@ def cp_pipelined_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward (module docstring): gradients of (q, k, v, sinks) for this rank's ``tokens`` local rows (the
     sinks' an empty tensor when there are none)."""
-    pg = _resolve_process_group(group)
-    nccl = uses_nccl(pg)
     splits, rows, hk, dim = k_all.shape
     hq = q.shape[1] // splits
     grad_q, grad_sinks, pending = [], [], []
@@ -110,13 +104,8 @@ def cp_pipelined_attention_backward_op(
         grad_q.append(dq)
         grad_sinks.append(ds)
         for grad in (dk, dv):  # every key row this rank's queries read, summed back to the rank that holds it
-            full = grad.new_zeros((rows, hk, dim)).index_add_(0, key_rows, grad)
-            if nccl:
-                mine = grad.new_empty((width, hk, dim))
-                pending.append((collectives._REDUCE_SCATTER_SINGLE(mine, full, group=pg, async_op=True), mine))
-            else:
-                pending.append((dist.all_reduce(full, group=pg, async_op=True),
-                                full[rank * width:(rank + 1) * width]))
+            pending.append(post_cp_grad_return(grad.new_zeros((rows, hk, dim)).index_add_(0, key_rows, grad),
+                                               group, rank))
     for work, _ in pending:
         work.wait()
     grad_k = torch.cat([mine[:tokens] for _, mine in pending[0::2]], dim=1)
