@@ -151,8 +151,8 @@ class TrainOptions:
     """Under context parallelism, the head groups each attention's K/V exchange is pipelined over, at most
     (``passes.graph.kv_exchange``: group g's attention waits only for group g's K/V; 1: one all-gather before
     the attention). None: ``passes.plan.context_parallel.KV_SPLITS`` on GPUs (what the planner's CP cost
-    assumes), 1 on the CPU, where ``python -m benchmarks.kv_exchange`` measured the pipelined exchange slower
-    (ranks sharing cores gain nothing from overlap and pay for smaller kernel calls)."""
+    assumes), 1 on the CPU, where ``python -m benchmarks.kv_exchange`` found no consistent gain (ranks sharing
+    cores gain little from overlap, and each group adds kernel calls and collectives)."""
     movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     """With ``overlap_movement``: the most bytes of movement buffers (cast sends, gradient receives) a rank keeps
     in flight; its messages with one peer in one window (``runtime.overlap.largest_unit_numel``) when that is
