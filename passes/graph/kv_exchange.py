@@ -35,7 +35,6 @@ from passes.plan.context_parallel import KV_SPLITS, kv_splits
 __all__ = ["KV_SPLITS", "kv_splits", "cp_pipelined_attention", "CP_PIPELINED_ATTENTION"]
 
 
-
 def _padded_groups(x: torch.Tensor, width: int, splits: int) -> torch.Tensor:
     """(tokens, heads, dim) -> (splits, width, heads / splits, dim), contiguous, zero rows past the tokens."""
     tokens, heads, dim = x.shape
