@@ -11,8 +11,9 @@ group's ``group_name`` so that the graph stays printable and compilable:
   (after a vocab-parallel LM head);
 - ``cp_all_gather``: forward every context-parallel rank's keys or values padded to one width and stacked,
   backward the sum over the group of this rank's rows (``passes.graph.context_parallel``);
-- ``post_cp_gather`` / ``post_cp_grad_return``: the same two exchanges posted asynchronously, for the K/V
-  exchange pipelined over head groups (``passes.graph.kv_exchange``): each returns the work to wait on;
+- ``post_cp_gather`` / ``post_cp_grad_return``: those two exchanges posted, each returning the work to wait on:
+  what ``cp_all_gather`` waits on at once and the K/V exchange pipelined over head groups
+  (``passes.graph.kv_exchange``) waits on group by group;
 
 and :func:`vocab_parallel_embedding`, the lookup in a table split by vocabulary rows; :func:`all_reduce_tensor`,
 a plain (not autograd) sum or max over a named group; :func:`is_nccl` / :func:`uses_nccl`, whether a backend
@@ -157,42 +158,6 @@ def _gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
 tp_all_gather.register_autograd(_gather_grad, setup_context=_setup_gather)
 
 
-@torch.library.custom_op("hydraulis::cp_all_gather", mutates_args=())
-def cp_all_gather(x: torch.Tensor, group: str, width: int, world: int, rank: int) -> torch.Tensor:
-    """Every rank's ``x`` (tokens first, at most ``width`` of them) padded to ``width`` rows and stacked in rank
-    order: (world * width, ...). The gradient of this rank's rows is summed over the group and returned to it."""
-    padded = x.new_zeros((width, *x.shape[1:]))
-    padded[:x.shape[0]] = x
-    out = x.new_empty((world * width, *x.shape[1:]))
-    _ALL_GATHER_SINGLE(out, padded, group=_resolve_process_group(group))
-    return out
-
-
-@cp_all_gather.register_fake
-def _(x: torch.Tensor, group: str, width: int, world: int, rank: int) -> torch.Tensor:
-    return x.new_empty((world * width, *x.shape[1:]))
-
-
-def _setup_cp_gather(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, ctx.group, ctx.width, ctx.world, ctx.rank = inputs
-    ctx.tokens = x.shape[0]
-
-
-def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
-    group = _resolve_process_group(ctx.group)
-    grad = grad.contiguous()
-    if uses_nccl(group):  # each rank receives only its own rows, summed
-        mine = grad.new_empty((ctx.width, *grad.shape[1:]))
-        _REDUCE_SCATTER_SINGLE(mine, grad, group=group)
-    else:  # gloo has no reduce-scatter: sum everything, keep this rank's rows
-        dist.all_reduce(grad, group=group)
-        mine = grad[ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width]
-    return mine[:ctx.tokens].contiguous(), None, None, None, None
-
-
-cp_all_gather.register_autograd(_cp_gather_grad, setup_context=_setup_cp_gather)
-
-
 def post_cp_gather(out: torch.Tensor, mine: torch.Tensor, group: str) -> dist.Work:
     """Post the all-gather of every rank's contiguous ``mine`` (the same shape on every rank) into ``out`` (the
     ranks' blocks in rank order) over the group named ``group``; wait on the returned work before reading
@@ -211,6 +176,36 @@ def post_cp_grad_return(full: torch.Tensor, group: str, rank: int) -> tuple[dist
         mine = full.new_empty((width, *full.shape[1:]))
         return _REDUCE_SCATTER_SINGLE(mine, full, group=pg, async_op=True), mine
     return dist.all_reduce(full, group=pg, async_op=True), full[rank * width:(rank + 1) * width]
+
+
+@torch.library.custom_op("hydraulis::cp_all_gather", mutates_args=())
+def cp_all_gather(x: torch.Tensor, group: str, width: int, world: int, rank: int) -> torch.Tensor:
+    """Every rank's ``x`` (tokens first, at most ``width`` of them) padded to ``width`` rows and stacked in rank
+    order: (world * width, ...). The gradient of this rank's rows is summed over the group and returned to it."""
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    out = x.new_empty((world * width, *x.shape[1:]))
+    post_cp_gather(out, padded, group).wait()
+    return out
+
+
+@cp_all_gather.register_fake
+def _(x: torch.Tensor, group: str, width: int, world: int, rank: int) -> torch.Tensor:
+    return x.new_empty((world * width, *x.shape[1:]))
+
+
+def _setup_cp_gather(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, ctx.group, ctx.width, ctx.world, ctx.rank = inputs
+    ctx.tokens = x.shape[0]
+
+
+def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
+    work, mine = post_cp_grad_return(grad.contiguous(), ctx.group, ctx.rank)  # each rank's own rows, summed
+    work.wait()
+    return mine[:ctx.tokens].contiguous(), None, None, None, None
+
+
+cp_all_gather.register_autograd(_cp_gather_grad, setup_context=_setup_cp_gather)
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, group: str) -> torch.Tensor:
