@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.provenance import commit
 from hcompile.tools.simulate import BASELINE, PlanJob, PlanReport, format_report, run_plan_job
+from passes.plan.cost_model import RECOMPUTE_MODES
 from passes.plan.ir import CostModel, PlanError, StepPlan
 
 PAPER_POOL_32B_64 = ("4x(tp16)", "1x(tp16)+2x(tp8,pp3)", "1x(tp16)+6x(tp8)", "1x(tp16)+12x(tp4)",
@@ -162,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the runtime whose movement is charged: overlapped (default), plain, or both")
     parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the dtype gradients travel in (default fp32)")
+    parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="auto",
+                        help="activation recomputation: auto (default: only where a sequence is longer than every "
+                             "scheme holds without it), on, off")
     args = parser.parse_args(argv)
     modes = {"both": (False, True), "charged": (True,), "ignored": (False,)}[args.movement]
     runtimes = ("plain", "overlapped") if args.movement_mode == "both" else (args.movement_mode,)
     settings = SMOKE if args.smoke else LONG_CONTEXT if args.long_context else SETTINGS + LONG_CONTEXT
     jobs = [replace(job, charge_movement=charged, movement_mode=runtime, reduce_dtype=args.reduce_dtype,
-                    regroup=not args.no_regroup)
+                    regroup=not args.no_regroup, recompute=args.recompute)
             for job in settings for charged in modes for runtime in (runtimes if charged else ("plain",))]
     run(jobs, Path(args.out), plot=not args.no_plot)
     return 0

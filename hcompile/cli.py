@@ -9,7 +9,7 @@ import json
 import sys
 
 from passes.plan.context_parallel import CP_MODES
-from passes.plan.cost_model import MEMORY_MODELS, PRESET_HARDWARE, PRESET_MODELS
+from passes.plan.cost_model import MEMORY_MODELS, PRESET_HARDWARE, PRESET_MODELS, RECOMPUTE_MODES
 from passes.plan.datasets import PRESET_DATASETS
 from passes.plan.ir import PlanError
 from passes.plan.policies import CP_POLICIES, POLICIES
@@ -51,6 +51,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-parallel", choices=CP_MODES, default="auto",
                    help="context-parallel schemes: auto (default) "
                         "when a sequence is longer than every scheme without CP holds, on, off")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="auto",
+                   help="activation recomputation (every layer's forward again in its backward): auto (default) "
+                        "when a sequence is longer than every scheme holds without it, on, off")
     p.add_argument("--optimizer-layout", help="the fixed optimiser layout, e.g. '4x(tp16)' (default: the "
                                               "homogeneous strategy sized for the longest sequence)")
     p.add_argument("--memory-model", choices=MEMORY_MODELS, default="hcompile",
@@ -121,7 +124,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                   lengths_file=args.lengths_file,
                   optimizer_layout=args.optimizer_layout, profile_file=args.profile_file,
                   memory_model=args.memory_model, charge_movement=args.movement == "charged",
-                  movement_mode=args.movement_mode, reduce_dtype=args.reduce_dtype)
+                  movement_mode=args.movement_mode, reduce_dtype=args.reduce_dtype, recompute=args.recompute)
     report, _ = run_plan_job(job, plans_out=args.plans_out, progress=stderr_progress)
     if args.json:
         print(json.dumps(report.to_json()))

@@ -39,14 +39,16 @@ CPU = Hardware(name="cpu", peak_tflops=0.2, memory_gib=1024.0, reserved_gib=0.0,
 def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tokens_per_rank: int | None,
                        runtime: RuntimeMemory = HCOMPILE_RUNTIME,
                        device: torch.device | str = "cpu", memory: ModelMemory | None = None,
-                       memory_bytes: float | None = None, hardware: Hardware | None = None) -> CostModel:
+                       memory_bytes: float | None = None, hardware: Hardware | None = None,
+                       recompute: bool = False) -> CostModel:
     """Analytic cost model of a captured graph on ``device``'s hardware: the CPU (a 0.2 TFLOP model), or on a GPU
     its preset (``passes.graph.hardware.hardware_for_device``: A100, A800, H100, H200; another GPU is refused,
     never planned as a CPU); ``hardware`` overrides it. Schemes (tp, pp) with tp dividing the head count (and
     within a node), pp at most the layer count and tp*pp dividing the world size, each capped by the one memory
     model (``memory``: the model as ``hcompile.memory.model_memory`` reads it; ``memory_bytes``: what each rank
     may fill, default the hardware's) beside ``runtime``'s states and at ``tokens_per_rank * tp`` tokens per
-    micro-batch (on the CPU 1024 per rank when None)."""
+    micro-batch (on the CPU 1024 per rank when None). ``recompute``: each scheme's recomputing twin (``rc``) beside
+    it, its cap from the memory model's recomputation figures and its time the forward's twice."""
     analysis = analyze_graph(canonical_graph(captured))
     if not analysis.attention:
         raise ValueError(f"{name} has no attention (no scaled_dot_product_attention call, nor a softmax(q @ k^T) @ v "
@@ -58,6 +60,8 @@ def default_cost_model(captured: fx.GraphModule, name: str, world_size: int, tok
     schemes = [ParallelScheme(tp=tp, pp=pp) for tp in range(1, world_size + 1) for pp in range(1, world_size + 1)
                if world_size % (tp * pp) == 0 and heads % tp == 0 and pp <= max(1, analysis.layers)
                and tp <= hardware.gpus_per_node]
+    if recompute:
+        schemes += [dataclasses.replace(s, rc=True) for s in schemes]
     model = analytic_cost_model(analysis, hardware, schemes, name=f"{name}@{hardware.name}", world_size=world_size,
                                 runtime=runtime, memory=memory, memory_bytes=memory_bytes)
     per_rank = (1024 if hardware is CPU else None) if tokens_per_rank is None else tokens_per_rank
@@ -89,15 +93,14 @@ def add_needed_cp_schemes(model: CostModel, world: int, longest: int) -> CostMod
 
     if not needs_cp(model, world, longest):
         return model
-    return _with_derived_cp(model, [ParallelScheme(tp=base.tp, pp=base.pp, cp=cp)
-                                    for base, cp in cp_schemes(model, world, longest)])
+    return _with_derived_cp(model, [dataclasses.replace(base, cp=cp) for base, cp in cp_schemes(model, world, longest)])
 
 
 def _with_derived_cp(model: CostModel, schemes: Sequence[ParallelScheme]) -> CostModel:
     known = {e.scheme: e for e in model.entries}
     added = {}
     for scheme in schemes:
-        base = known.get(ParallelScheme(tp=scheme.tp, pp=scheme.pp))
+        base = known.get(ParallelScheme(tp=scheme.tp, pp=scheme.pp, rc=scheme.rc))
         if scheme not in known and base is not None:
             added[scheme] = _derived_cp(base, scheme.cp)
     return dataclasses.replace(model, entries=model.entries + tuple(added.values())) if added else model

@@ -2,7 +2,8 @@
 at that size.
 
 Owns :func:`model_memory` (the captured model as the one memory model, ``passes.plan.memory``, reads it: its
-parameters as tensor parallelism splits them and an upper estimate of a training step's bytes per token),
+parameters as tensor parallelism splits them and an upper estimate of a training step's bytes per token, with
+every layer recomputed too),
 :func:`usable_memory` (what a rank may fill: its GPU's memory, or its share of the host's available memory, the
 smallest figure of the job so every rank decides alike) and :func:`bound_caps` (every scheme's cap lowered to
 what its own ranks hold, by the same function the analytic cost model uses; an explicit ``tokens_per_rank``
@@ -26,7 +27,8 @@ from passes.plan.memory import ModelMemory, scheme_cap
 from runtime import distributed as comm
 from runtime.overlap import overlap_buffer_bytes
 
-__all__ = ["MemoryCapError", "trainer_runtime", "rank_memory_bytes", "step_bytes_per_token", "model_memory",
+__all__ = ["MemoryCapError", "trainer_runtime", "rank_memory_bytes", "step_bytes_per_token",
+           "recompute_bytes_per_token", "model_memory",
            "usable_memory", "bound_caps", "USABLE"]
 
 USABLE = 0.9
@@ -119,6 +121,28 @@ def step_bytes_per_token(graph: fx.GraphModule, tokens: int) -> float:
     return (sum(saved.values()) + produced / layers + LOSS_COPIES * 4 * logits) / tokens
 
 
+def recompute_bytes_per_token(graph: fx.GraphModule, tokens: int) -> float:
+    """Under recomputation, an upper estimate of what one rank without tensor or context parallelism keeps per
+    token besides every layer's input (``graph`` captured on ``tokens`` tokens): one layer's share of the saved
+    intermediates (``step_bytes_per_token``'s), the backward's working memory (one layer's share of everything
+    produced, twice: the recomputed forward's and the backward's own), and the loss's fp32 copies of the
+    logits."""
+    layers = max(1, sum(1 for n in graph.graph.nodes if _name(n) in _ATTENTION_NAMES))
+    plain = step_bytes_per_token(graph, tokens)
+    logits = 0
+    produced = 0
+    for node in graph.graph.nodes:
+        value = node.meta.get("val")
+        if node.op in ("call_function", "call_method") and isinstance(value, torch.Tensor) \
+                and value.is_floating_point() and _name(node) not in _ALIASES:
+            produced += value.numel() * value.element_size()
+        elif node.op == "output":
+            out = node.args[0][0] if isinstance(node.args[0], (tuple, list)) else node.args[0]
+            logits = out.meta["val"].numel() if isinstance(out, fx.Node) and "val" in out.meta else 0
+    loss = LOSS_COPIES * 4 * logits / tokens
+    return (plain - loss) / layers + produced / layers / tokens + loss
+
+
 _ATTENTION_NAMES = frozenset({"scaled_dot_product_attention", "extended_attention", "packed_attention"})
 
 
@@ -139,9 +163,15 @@ def model_memory(graph: fx.GraphModule, tokens: int) -> ModelMemory:
              if n.op == "call_function" and n.target is torch.nn.functional.embedding and n.args[0].op == "placeholder"
              and getattr(n.args[1], "target", None) in numel}
     head = {_weight_name(n) for n in canonical.graph.nodes if n.name in heads} - embed - {None}
+    layers = sum(1 for n in canonical.graph.nodes if _name(n) in _ATTENTION_NAMES)
+    residual = max((n.meta["val"].numel() * n.meta["val"].element_size() / tokens for n in canonical.graph.nodes
+                    if n.op == "call_function" and n.target is torch.nn.functional.embedding
+                    and isinstance(n.meta.get("val"), torch.Tensor)), default=0.0)
     return ModelMemory(params=sum(numel.values()), split_params=sum(numel[n] for n in split),
                        embed_params=sum(numel[n] for n in embed), head_params=sum(numel[n] for n in head if n in numel),
-                       bytes_per_token=step_bytes_per_token(graph, tokens))
+                       bytes_per_token=step_bytes_per_token(graph, tokens),
+                       recompute_bytes_per_token=recompute_bytes_per_token(graph, tokens),
+                       layer_input_bytes=layers * residual)
 
 
 def _is_param(gm: fx.GraphModule, name: str) -> bool:

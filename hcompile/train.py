@@ -153,6 +153,11 @@ class TrainOptions:
     the attention). None: ``passes.plan.context_parallel.KV_SPLITS`` on GPUs (what the planner's CP cost
     assumes), 1 on the CPU, where ``python -m benchmarks.kv_exchange`` found no consistent gain (ranks sharing
     cores gain little from overlap, and each group adds kernel calls and collectives)."""
+    recompute: bool = False
+    """Activation recomputation as the planner's choice: every scheme's recomputing twin (``(tp2,rc)``: each layer
+    keeps only its input, its forward runs again in its backward, about 4/3 of the compute) is planned beside it,
+    with the cap the memory model gives it, so a step recomputes only on the replicas that hold what would not
+    fit otherwise. A listed strategy may name ``rc`` schemes without it."""
     movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     """With ``overlap_movement``: the most bytes of movement buffers (cast sends, gradient receives) a rank keeps
     in flight; its messages with one peer in one window (``runtime.overlap.largest_unit_numel``) when that is
@@ -181,6 +186,8 @@ class TrainOptions:
             if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                         or not timeout > 0):
                 raise ValueError(f"{name} must be a positive number of seconds or None, got {timeout!r}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute must be True or False, got {self.recompute!r}")
         if isinstance(self.movement_pieces, bool) or not isinstance(self.movement_pieces, int) \
                 or self.movement_pieces < 1:
             raise ValueError(f"movement_pieces must be a positive integer, got {self.movement_pieces!r}")
@@ -214,6 +221,11 @@ class TrainOptions:
             object.__setattr__(self, "strategies", tuple(self.strategies))
             for text in self.strategies:
                 Strategy.parse(text)
+
+
+def _lists_recomputation(strategies: str | tuple[str, ...]) -> bool:
+    """Whether a listed strategy names a recomputing scheme (``rc``)."""
+    return strategies != "auto" and any(s.rc for text in strategies for s in Strategy.parse(text).schemes)
 
 
 def _check_optimizer(optimizer: Any, trusted: bool) -> None:
@@ -271,9 +283,10 @@ class Trainer:
         local = min(Cluster.local(self.ctx.world_size).gpus_per_node, self.ctx.world_size)
         usable = usable_memory(self.ctx.device, local)  # collective: the smallest rank's
         held = model_memory(analysed, ANALYSIS_TOKENS)
+        recompute = options.recompute or _lists_recomputation(options.strategies)
         model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,
                                                  options.tokens_per_rank, memory, self.ctx.device, memory=held,
-                                                 memory_bytes=usable)
+                                                 memory_bytes=usable, recompute=recompute)
         model = add_listed_cp_schemes(model, options.strategies)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)

@@ -27,12 +27,14 @@ def test_smoke_writes_stamped_json_and_plot(tmp_path, capsys):
 
 
 def test_a_setting_the_planner_refuses_is_recorded_and_the_rest_run(tmp_path, capsys):
-    """32B on 64 GPUs cannot hold the long-context set's 160K-token documents since gradients accumulate in fp32
-    (longest 153600): that setting is a record with its reason, and the next setting still runs."""
+    """32B on 64 GPUs cannot hold the long-context set's 160K-token documents without recomputation since
+    gradients accumulate in fp32 (longest 153600): that setting is a record with its reason, and the next setting
+    still runs."""
     from benchmarks.planner import SMOKE, run
     from hcompile.tools.simulate import PlanJob
 
-    refused = PlanJob(model="llama-32b", gpus=64, dataset="long-context", global_tokens=1_000_000, steps=2)
+    refused = PlanJob(model="llama-32b", gpus=64, dataset="long-context", global_tokens=1_000_000, steps=2,
+                      recompute="off")
     records = run((refused, SMOKE[0]), tmp_path, plot=False)
     assert "longer than every scheme can hold" in records[0]["refused"]
     assert "refused" not in records[1] and "policies" in records[1]

@@ -19,6 +19,7 @@ from passes.plan.context_parallel import CP_MODES, with_context_parallel
 from passes.plan.cost_model import (
     HCOMPILE_RUNTIME,
     MEMORY_MODELS,
+    RECOMPUTE_MODES,
     Profile,
     build_cost_model,
     default_optimizer_layout,
@@ -87,6 +88,10 @@ class PlanJob:
     context_parallel: str = "auto"
     """Context-parallel schemes (``passes.plan.context_parallel.CP_MODES``): ``auto`` plans them only when a
     sequence of the data is longer than every scheme without CP holds; ``on``; ``off``."""
+    recompute: str = "auto"
+    """Activation recomputation (``passes.plan.cost_model.RECOMPUTE_MODES``; ``TrainOptions(recompute=True)``):
+    ``auto`` recomputes every layer only when a sequence of the data is longer than every scheme holds without
+    it (context parallelism included); ``on``; ``off``."""
 
     def __post_init__(self) -> None:
         if self.memory_model not in MEMORY_MODELS:
@@ -102,6 +107,8 @@ class PlanJob:
                 raise PlanError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
         if self.context_parallel not in CP_MODES:
             raise PlanError(f"unknown context-parallel mode {self.context_parallel!r}; known: {', '.join(CP_MODES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise PlanError(f"unknown recompute mode {self.recompute!r}; known: {', '.join(RECOMPUTE_MODES)}")
         if self.reduce_dtype not in REDUCE_BYTES:
             raise PlanError(f"unknown reduce dtype {self.reduce_dtype!r}; known: {', '.join(REDUCE_BYTES)}")
         if self.movement_mode not in MOVEMENT_MODES:
@@ -181,6 +188,11 @@ class PlanReport:
     """The ``dynamic-cp`` baseline's TP scheme (None: CP not planned)."""
 
     @property
+    def recompute(self) -> bool:
+        """Whether the plans recompute every layer (``PlanJob.recompute``, decided by the data under ``auto``)."""
+        return " recomputed" in self.cost_model.name
+
+    @property
     def any_schedule_bound_ms(self) -> float:
         """The mean over steps of the bound that also holds for schedules regrouping ranks within a step
         (``Bounds.any_schedule``, plus the movement floor where it is charged): what ``dynamic-cp`` is measured
@@ -198,6 +210,7 @@ class PlanReport:
             "steps": len(self.lower_bound_ms),
             "seed": self.job.seed,
             "memory_model": self.job.memory_model,
+            "recompute": self.recompute,
             "max_tokens": {e.scheme.describe(): e.max_tokens for e in self.cost_model.entries},
             "pool": [s.describe() for s in self.pool],
             "fixed_strategy": self.fixed.describe(),
@@ -260,17 +273,13 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     profile = _profile(job)
     runtime = HCOMPILE_RUNTIME if job.memory_model == "hcompile" else None
     dataset, exact = _load_data(job)
-    if job.optimizer_layout is not None:
-        layout = Strategy.parse(job.optimizer_layout)
-        if layout.gpus != job.gpus or not layout.is_homogeneous:
-            raise PlanError(f"optimizer layout {layout.describe()} must be homogeneous over {job.gpus} GPUs")
-    else:
-        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len, runtime,
-                                          longest_held=job.context_parallel != "off")
     links = profile.links if profile.links is not None else (
         link_preset(job.hardware) if job.hardware in LINK_PRESETS else None)
-    cost_model = with_context_parallel(build_cost_model(profile, layout, runtime), profile, links, job.gpus,
-                                       dataset.max_len, layout, runtime, job.context_parallel)
+    recompute = job.recompute == "on"
+    layout, cost_model = _layout_and_model(job, profile, dataset, links, runtime, recompute)
+    if job.recompute == "auto" and dataset.max_len > _longest_held(cost_model, job.gpus):
+        recompute = True
+        layout, cost_model = _layout_and_model(job, profile, dataset, links, runtime, recompute)
     if dataset.max_len > max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, job.gpus)), default=0):
         raise too_long_error(cost_model, job.gpus, dataset.max_len)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
@@ -287,6 +296,26 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     if any(s.cp > 1 for s in cost_model.schemes):
         planner.choose_cp_baselines(dataset.max_len, batches[:_CP_TRIAL_BATCHES])
     return planner, dataset, batches
+
+
+def _layout_and_model(job: PlanJob, profile: Profile, dataset: LengthDataset, links, runtime,
+                      recompute: bool) -> tuple[Strategy, CostModel]:
+    """The optimiser layout (the job's, else the one sized for the data's longest sequence) and the cost model
+    under it, context-parallel schemes added as the job says, every layer recomputed or not."""
+    if job.optimizer_layout is not None:
+        layout = Strategy.parse(job.optimizer_layout)
+        if layout.gpus != job.gpus or not layout.is_homogeneous:
+            raise PlanError(f"optimizer layout {layout.describe()} must be homogeneous over {job.gpus} GPUs")
+    else:
+        layout = default_optimizer_layout(profile, job.gpus, dataset.max_len, runtime,
+                                          longest_held=job.context_parallel != "off", recompute=recompute)
+    cost_model = with_context_parallel(build_cost_model(profile, layout, runtime, recompute), profile, links,
+                                       job.gpus, dataset.max_len, layout, runtime, job.context_parallel)
+    return layout, cost_model
+
+
+def _longest_held(cost_model: CostModel, gpus: int) -> int:
+    return max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)), default=0)
 
 
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
@@ -400,6 +429,9 @@ def format_report(report: PlanReport) -> str:
             f"{np.percentile(r.solve_ms, 50):>9.1f}ms{np.percentile(r.solve_ms, 95):>7.1f}ms"
         )
     lines.append(f"{'lower bound':<22}{bound:>10.1f}   (plans with one strategy per step)")
+    if report.recompute:
+        lines.append("every layer recomputed in its backward (activation recomputation: the caps of layer inputs, "
+                     "the forward charged twice)")
     if report.cp_base is not None:
         lines.append(f"{'bound, any schedule':<22}{report.any_schedule_bound_ms:>10.1f}   (area and latency only: "
                      f"also for ranks regrouping within the step, as dynamic-cp's do)")

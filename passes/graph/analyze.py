@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from codegen.reference import extended_attention
-from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory
+from passes.plan.cost_model import HCOMPILE_RUNTIME, RuntimeMemory, with_recompute_time
 from passes.plan.ir import CostModel, ParallelScheme, SchemeCost
 from passes.plan.memory import ModelMemory, scheme_cap
 
@@ -369,7 +369,8 @@ def _scheme_cost(an: GraphAnalysis, hw: Hardware, scheme: ParallelScheme, world_
     messages = (4.0 * layers / scheme.pp if scheme.tp > 1 else 0.0) + (2.0 if scheme.pp > 1 else 0.0)
     c = hw.fixed_ms_per_layer * layers / scheme.pp + messages * hw.latency_us / 1e3
     max_tokens = scheme_cap(memory, scheme, world_size, runtime, memory_bytes)
-    return SchemeCost(scheme=scheme, a=a, b=b, c=c, max_tokens=max_tokens)
+    entry = SchemeCost(scheme=scheme, a=a, b=b, c=c, max_tokens=max_tokens)
+    return with_recompute_time(entry) if scheme.rc else entry
 
 
 def analytic_cost_model(

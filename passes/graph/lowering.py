@@ -17,7 +17,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
+from passes.graph.analyze import OpClass, classify_node
 from passes.graph.attention_masks import MaskLimits, decide_attention_limits
 from passes.graph.context_parallel import rewrite_context_parallel_pass
 from passes.graph.normalize import CANONICAL_PASSES, canonical_graph
@@ -40,7 +42,7 @@ from passes.graph.variant import CompileCounter, TokenBuckets, Variant, VariantK
 from passes.plan.ir import ParallelScheme
 
 __all__ = ["LOWERING_PASSES", "Lowering", "Lowered", "decide_lowerings", "lower_graph", "LoweringCache",
-           "StageVariants", "PIPELINE_TOLERANCE"]
+           "StageVariants", "PIPELINE_TOLERANCE", "recompute_pieces"]
 
 LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass,
                    rewrite_context_parallel_pass, split_pipeline_pass)
@@ -74,7 +76,8 @@ class Lowering:
     """Values the stage returns (the last stage: the model's outputs, the logits first)."""
     pieces: PipelinePlan | None = None
     """The stage cut into pieces run one after the other, so that the parameters of a later piece can arrive
-    while an earlier one computes (overlapped movement); None: one piece."""
+    while an earlier one computes (overlapped movement), and, under recomputation (``scheme.rc``), at least one
+    piece per attention layer, each recomputed in the backward; None: one piece."""
     cp_rank: int = 0
     """This rank's index in its context-parallel group (0 when cp == 1)."""
     cp_group: str | None = None
@@ -162,7 +165,8 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
     tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
     micro-batch the scheme runs; None: the capture's own tokens). ``vocab_parallel``: split the token
     embedding and LM head by vocabulary rows when tp > 1. ``pieces``: cut each stage into this many pieces of
-    about equal cost (at most one per costed node) for overlapped movement. ``cp_rank`` / ``cp_group``: this
+    about equal cost (at most one per costed node) for overlapped movement; a recomputing scheme (``rc``) cuts
+    at least one piece per attention of the stage (:func:`recompute_pieces`). ``cp_rank`` / ``cp_group``: this
     rank's place in its context-parallel group (cp > 1); the pipeline cut is decided on the CP graph.
     ``attention``: every attention's limits, decided for the run (None: each capture's own). ``kv_splits``: as
     :func:`lower_graph` takes it."""
@@ -188,12 +192,18 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
                                        cp_rank=cp_rank, cp_group=cp_group,
                                        attention=tuple(sorted((attention or {}).items())), kv_splits=kv_splits)
         stage_gm = _stage_module(lowered.graph_module, pipeline, s)
-        count = min(pieces, costed_nodes(stage_gm))
+        count = min(max(pieces, recompute_pieces(stage_gm) if scheme.rc else 1), costed_nodes(stage_gm))
         if count > 1:
             cut = decide_pipeline_split(stage_gm, count, tolerance=PIPELINE_TOLERANCE, seq_len=cost_tokens)
             lowering = dataclasses.replace(lowering, pieces=cut)
         out.append(lowering)
     return tuple(out)
+
+
+def recompute_pieces(stage_gm: fx.GraphModule) -> int:
+    """The pieces a recomputing stage is cut into: one per attention (a transformer layer each, the cut placed
+    where the fewest bytes cross, so each piece keeps about one layer's input)."""
+    return max(1, sum(1 for n in stage_gm.graph.nodes if classify_node(n) is OpClass.ATTENTION))
 
 
 def _stage_lowering(lowered: Lowered, scheme: ParallelScheme, stage: int, tp_rank: int,
@@ -221,7 +231,9 @@ def _stage_module(gm: fx.GraphModule, pipeline: PipelinePlan | None, stage: int)
 def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *, tp_group: str | None = None,
                    attention_kernel: str = "auto", compile_backend: str = "eager") -> Variant:
     """The variant of ``lowering`` for a graph captured on input (1, ``bucket``): the decided plans applied to
-    it, its stage kept and compiled once (``eager``: not compiled, the rewritten graph runs as it is)."""
+    it, its stage kept and compiled once (``eager``: not compiled, the rewritten graph runs as it is). Under
+    recomputation (``scheme.rc``) each piece runs under ``torch.utils.checkpoint`` (non-reentrant): only its
+    inputs are kept, and its forward runs again in the backward."""
     key = VariantKey(scheme=lowering.scheme, stage=lowering.stage, bucket=bucket)
     ids_val = next(n for n in captured.graph.nodes if n.op == "placeholder").meta.get("val")
     if ids_val is None or tuple(ids_val.shape) != (1, bucket):
@@ -244,28 +256,50 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
     variant = dict(key=key, tp_rank=lowering.tp_rank, graph_module=stage_gm, params=lowering.params,
                    inputs=lowering.inputs, boundary_in=lowering.boundary_in, boundary_out=lowering.boundary_out,
                    records=lowered.records, counter=counter)
+    recompute = lowering.scheme.rc
     if lowering.pieces is None:
-        return Variant(**variant, compiled=compile_(stage_gm))
+        compiled = compile_(stage_gm)
+        return Variant(**variant, compiled=_Recomputed(compiled) if recompute else compiled)
     composed = cut_graph(stage_gm, lowering.pieces)
     gate: list = [None]
     pieces = tuple(getattr(composed, f"stage_{i}") for i in range(len(lowering.pieces.stages)))
     names = tuple(tuple(n for n, _ in piece.named_parameters()) for piece in pieces)
     for i, (piece, read) in enumerate(zip(pieces, names)):
-        setattr(composed, f"stage_{i}", _Piece(compile_(piece), read, gate))
+        setattr(composed, f"stage_{i}", _Piece(compile_(piece), read, gate, recompute))
     return Variant(**variant, compiled=composed, pieces=pieces, piece_params=names, gate=gate)
 
 
-class _Piece(nn.Module):
-    """One piece of a stage cut for overlapped movement: asks the gate for the parameters it reads (when one is
-    set), then runs (compiled on its own)."""
+def _recomputed(run: Callable, args: tuple) -> tuple:
+    """``run(*args)`` keeping only its inputs for the backward, which runs it again (non-reentrant checkpoint: the
+    collectives inside run again in the same order on every rank of their group; the RNG state is restored)."""
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
-    def __init__(self, run: Callable, reads: Sequence[str], gate: list):
+
+class _Recomputed:
+    """A whole stage recomputed in its backward (one piece)."""
+
+    def __init__(self, run: Callable):
+        self.run = run
+
+    def __call__(self, *args):
+        return _recomputed(self.run, args)
+
+
+class _Piece(nn.Module):
+    """One piece of a stage cut for overlapped movement or recomputation: asks the gate for the parameters it
+    reads (when one is set), then runs (compiled on its own; under ``torch.utils.checkpoint`` when
+    ``recompute``: the gate is asked once, in the forward, not again when the backward recomputes)."""
+
+    def __init__(self, run: Callable, reads: Sequence[str], gate: list, recompute: bool = False):
         super().__init__()
         self._run, self.reads, self.gate = (run,), tuple(reads), gate  # a tuple: not registered as a submodule
+        self.recompute = recompute
 
     def forward(self, *args):
         if self.gate[0] is not None:
             self.gate[0](self.reads)
+        if self.recompute and torch.is_grad_enabled():
+            return _recomputed(self._run[0], args)
         return self._run[0](*args)
 
 

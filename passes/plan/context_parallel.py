@@ -89,21 +89,23 @@ def cp_cost(profile: Profile, base: SchemeCost, cp: int, links: Links, layout: S
     the exposed share of the K/V exchange per token from ``links`` (one of the rank's :func:`kv_splits` head
     groups) and the slowdown the rest costs the attention it runs beside (``Links.overlap_slowdown``); the rest
     as :attr:`SchemeCost.exchange`; ``c`` plus one head group's start-ups; ``max_tokens`` from the memory model
-    under ``layout`` (``runtime`` as in ``cost_model.state_bytes``)."""
+    under ``layout`` (``runtime`` as in ``cost_model.state_bytes``). A recomputing base (``rc``, already charged for
+    it): the forward's gather runs again in the recomputation (three passes of the exchange, not two)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
         raise PlanError(f"a CP degree must be an integer >= 2, got {cp!r}")
     b = base.scheme
     if b.cp != 1:
         raise PlanError(f"the base of a CP scheme must have cp=1, got {b.describe()}")
-    scheme = ParallelScheme(tp=b.tp, pp=b.pp, cp=cp)
+    scheme = replace(b, cp=cp)
     layers = profile.layers / b.pp
     same_node = b.tp * cp <= links.gpus_per_node
     gbps = links.intra_gbps if same_node else links.inter_gbps
-    per_token = _EXCHANGE_PASSES * (cp - 1) / cp * 2 * _kv_width(profile) / b.tp * KV_BYTES  # bytes per layer
+    exchange_passes = _EXCHANGE_PASSES + (1 if b.rc else 0)
+    per_token = exchange_passes * (cp - 1) / cp * 2 * _kv_width(profile) / b.tp * KV_BYTES  # bytes per layer
     exchange = layers * per_token / (gbps * 1e6)
     splits = kv_splits(_local_kv_heads(profile, b.tp))
     hidden = exchange * (splits - 1) / splits
-    startups = layers * _EXCHANGE_PASSES * (cp - 1) * links.latency_us * 1e-3
+    startups = layers * exchange_passes * (cp - 1) * links.latency_us * 1e-3
     return SchemeCost(scheme=scheme, a=base.a / cp,
                       b=base.b / cp + exchange / splits + links.overlap_slowdown * hidden, c=base.c + startups,
                       max_tokens=max_tokens_for(profile, scheme, layout, runtime), exchange=hidden, shape=base.shape)
@@ -141,7 +143,7 @@ def with_context_parallel(cost_model: CostModel, profile: Profile, links: Links 
                           layout: Strategy, runtime: RuntimeMemory | None = None, mode: str = "auto") -> CostModel:
     """``cost_model`` with the CP schemes of :func:`cp_schemes` added (``mode`` of :data:`CP_MODES`; ``auto``
     adds them only when :func:`needs_cp`; ``links`` None is an error only then); schemes it already knows are
-    kept as they are."""
+    kept as they are (a recomputing base gives a recomputing CP scheme)."""
     if mode not in CP_MODES:
         raise PlanError(f"unknown context-parallel mode {mode!r}; expected one of {', '.join(CP_MODES)}")
     if mode == "off" or (mode == "auto" and not needs_cp(cost_model, gpus, longest)):

@@ -11,13 +11,18 @@ H x V matrices on a stage). This project's runtime (:data:`HCOMPILE_RUNTIME`): e
 weight, optimiser state and shard gradient sharded flat over all GPUs, plus the rank's compute copy (its TP
 slice of its stage, parameter and gradient in the compute dtype), plus one send and one receive chunk of the
 redistribution.
+
+Activation recomputation (a scheme's ``rc``): a micro-batch keeps only every layer's input and, in the backward,
+the activations of the one layer being recomputed, ``(L H 2 + (H/tp) A_tp) / cp`` bytes per token
+(:func:`activation_bytes_per_token`), and runs every layer's forward twice (:data:`RECOMPUTE_TIME`). It is a
+property of a scheme, so a plan recomputes only on the replicas that hold long sequences.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -33,12 +38,17 @@ __all__ = [
     "load_profile_file",
     "state_bytes",
     "max_tokens_for",
+    "activation_bytes_per_token",
     "build_cost_model",
     "default_optimizer_layout",
     "RuntimeMemory",
     "hcompile_runtime",
     "HCOMPILE_RUNTIME",
     "MEMORY_MODELS",
+    "RECOMPUTE_MODES",
+    "RECOMPUTE_TIME",
+    "LAYER_INPUT_BYTES",
+    "with_recompute_time",
 ]
 
 MIB = 2**20
@@ -88,6 +98,18 @@ def hcompile_runtime(param_bytes: int = 2, reduce_bytes: int = 4, optimizer_byte
 
 HCOMPILE_RUNTIME = hcompile_runtime()
 """bf16 compute copies, fp32 gradient accumulation and reduction, Adam, 16M-element chunks."""
+RECOMPUTE_MODES = ("auto", "on", "off")
+"""Activation recomputation in a plan: ``auto`` recomputes only when some sequence is longer than every scheme
+holds without it (with context parallelism where that is planned); ``on``; ``off``."""
+RECOMPUTE_TIME = 4.0 / 3.0
+"""What recomputing every layer's forward in its backward costs, over the plain forward and backward: the
+forward again (a third of a layer's forward and backward FLOPs, backward = 2 x forward; flash attention's
+backward is nearer 2.5 x its forward, so the attention is charged a little over). An assumption: a GPU
+measures it (``python -m benchmarks.recompute`` on a GPU machine); Megatron reports 30-40% for full
+recomputation (Korthikanti et al., 2022)."""
+LAYER_INPUT_BYTES = 2
+"""Bytes per hidden unit of the layer input a recomputing micro-batch keeps per layer and token (bf16). This
+runtime's tensor parallelism does not split the sequence, so every rank of a TP group keeps the whole input."""
 MEMORY_MODELS = ("hcompile", "paper")
 """``hcompile``: :data:`HCOMPILE_RUNTIME`; ``paper``: the profiled runtime's model."""
 
@@ -292,39 +314,64 @@ def state_bytes(profile: Profile, scheme: ParallelScheme, layout: Strategy,
     )
 
 
+def activation_bytes_per_token(profile: Profile, scheme: ParallelScheme) -> float:
+    """Activation bytes one rank of ``scheme`` keeps per token of a micro-batch: every layer's activations
+    (``L (H/tp) A_tp / cp``; 1F1B keeps pp micro-batches of L/pp layers on the first stage), or with recomputation
+    (``scheme.rc``) every layer's input (:data:`LAYER_INPUT_BYTES` per hidden unit, whole on every TP rank) and one
+    layer's activations, the one being recomputed (``(L H 2 + (H/tp) A_tp) / cp``)."""
+    layer = (profile.hidden / scheme.tp) * profile.activation_bytes_for(scheme.tp)
+    if scheme.rc:
+        return (profile.layers * profile.hidden * LAYER_INPUT_BYTES + layer) / scheme.cp
+    return profile.layers * layer / scheme.cp
+
+
 def max_tokens_for(profile: Profile, scheme: ParallelScheme, layout: Strategy,
                    runtime: RuntimeMemory | None = None) -> int:
     """Longest micro-batch (tokens, multiple of 128, 0 when nothing fits) of ``scheme`` under ``layout``
-    (``runtime`` as in :func:`state_bytes`)."""
+    (``runtime`` as in :func:`state_bytes`; activations as :func:`activation_bytes_per_token` counts them)."""
     free = (
         profile.memory_bound_mib * MIB
         - profile.safety_gib * GIB
         - profile.reserved_mib * MIB
         - state_bytes(profile, scheme, layout, runtime)
     )
-    per_token = profile.layers * (profile.hidden / scheme.tp) * profile.activation_bytes_for(scheme.tp) / scheme.cp
+    per_token = activation_bytes_per_token(profile, scheme)
     tokens = int(math.floor(free / per_token / TOKEN_ROUNDING)) * TOKEN_ROUNDING
     return max(tokens, 0)
 
 
-def build_cost_model(profile: Profile, optimizer_layout: Strategy, runtime: RuntimeMemory | None = None) -> CostModel:
+def with_recompute_time(entry: SchemeCost) -> SchemeCost:
+    """``entry`` with every layer's forward run again in its backward: its attention and per-token terms times
+    :data:`RECOMPUTE_TIME` (the fixed term, launches and the step's edges, kept)."""
+    return replace(entry, a=entry.a * RECOMPUTE_TIME, b=entry.b * RECOMPUTE_TIME)
+
+
+def build_cost_model(profile: Profile, optimizer_layout: Strategy, runtime: RuntimeMemory | None = None,
+                     recompute: bool = False) -> CostModel:
     """Every profiled scheme with its coefficients and its ``max_tokens`` under ``optimizer_layout``
-    (``runtime`` as in :func:`state_bytes`)."""
-    entries = tuple(
-        SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens_for(profile, s, optimizer_layout, runtime))
-        for s, a, b, c in profile.coefficients
-    )
+    (``runtime`` as in :func:`state_bytes`); with ``recompute``, each one's recomputing twin beside it
+    (``rc``: the caps of :func:`activation_bytes_per_token`, the time of :func:`with_recompute_time`)."""
+    entries = [SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens_for(profile, s, optimizer_layout, runtime))
+               for s, a, b, c in profile.coefficients if not s.rc]
+    if recompute:
+        entries += [with_recompute_time(replace(e, scheme=replace(e.scheme, rc=True),
+                                                max_tokens=max_tokens_for(profile, replace(e.scheme, rc=True),
+                                                                          optimizer_layout, runtime)))
+                    for e in entries]
     memory = "" if runtime is None else f" {runtime.name} memory"
-    return CostModel(name=f"{profile.name} layout {optimizer_layout.describe()}{memory}", entries=entries,
-                     gpus_per_node=profile.gpus_per_node)
+    again = " recomputed" if recompute else ""
+    return CostModel(name=f"{profile.name} layout {optimizer_layout.describe()}{memory}{again}",
+                     entries=tuple(entries), gpus_per_node=profile.gpus_per_node)
 
 
 def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int,
-                             runtime: RuntimeMemory | None = None, longest_held: bool = False) -> Strategy:
+                             runtime: RuntimeMemory | None = None, longest_held: bool = False,
+                             recompute: bool = False) -> Strategy:
     """The homogeneous strategy sized for ``longest_seq``: the fewest GPUs per replica whose scheme holds it
     under its own layout (ties: fewer pipeline stages). ``4x(tp16,pp1)`` for llama-32b on 64 GPUs. With
     ``longest_held``, a sequence longer than every scheme holds gets the layout sized for the longest one held
-    (the layout context parallelism extends) instead of an error."""
+    (the layout context parallelism extends) instead of an error. ``recompute``: a scheme holds what its
+    recomputing twin holds (:func:`activation_bytes_per_token`)."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"the GPU count must be a positive integer, got {gpus!r}")
     candidates, supported = [], []
@@ -332,7 +379,7 @@ def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int,
         if gpus % scheme.gpus or not group_aligns(scheme.tp * scheme.cp, profile.gpus_per_node):
             continue
         layout = Strategy.homogeneous(scheme, gpus)
-        tokens = max_tokens_for(profile, scheme, layout, runtime)
+        tokens = max_tokens_for(profile, replace(scheme, rc=recompute), layout, runtime)
         supported.append(tokens)
         if tokens >= longest_seq:
             candidates.append((scheme.gpus, scheme.pp, scheme.cp, -scheme.tp, layout))
@@ -340,7 +387,7 @@ def default_optimizer_layout(profile: Profile, gpus: int, longest_seq: int,
         sizes = sorted({s.gpus for s in profile.schemes})
         raise PlanError(f"no strategy of {profile.name} fills {gpus} GPUs (replica sizes: {sizes})")
     if not candidates and longest_held:
-        return default_optimizer_layout(profile, gpus, max(supported), runtime)
+        return default_optimizer_layout(profile, gpus, max(supported), runtime, recompute=recompute)
     if not candidates:
         raise PlanError(f"a sequence of {longest_seq} tokens is longer than every scheme of {profile.name} can hold "
                         f"on {gpus} GPUs (longest supported: {max(supported)} tokens)")

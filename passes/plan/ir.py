@@ -46,42 +46,55 @@ class ParallelScheme:
     """Pipeline-parallel degree (stages)."""
     cp: int = 1
     """Context-parallel degree (GPUs that split one sequence); 1 unless given."""
+    rc: bool = False
+    """Activation recomputation: every layer's activations are dropped after its forward and recomputed in its
+    backward (a micro-batch keeps each layer's input only); the parameter layout is the same as without."""
 
     def __post_init__(self) -> None:
         _check_positive_int("tp", self.tp)
         _check_positive_int("pp", self.pp)
         _check_positive_int("cp", self.cp)
+        if not isinstance(self.rc, bool):
+            raise PlanError(f"rc must be True or False, got {self.rc!r}")
 
     @property
     def gpus(self) -> int:
         """GPUs one replica of this scheme occupies."""
         return self.tp * self.pp * self.cp
 
+    @property
+    def layout_scheme(self) -> "ParallelScheme":
+        """The scheme whose parameter slices this one computes with: itself without recomputation."""
+        return ParallelScheme(tp=self.tp, pp=self.pp, cp=self.cp) if self.rc else self
+
     def describe(self) -> str:
-        """Stable text form, e.g. ``(tp4,pp2)``; ``cp`` is printed only when it is not 1."""
+        """Stable text form, e.g. ``(tp4,pp2)``; ``cp`` is printed only when it is not 1, ``rc`` (recomputation)
+        only when set: ``(tp8,pp1,cp2,rc)``."""
         cp = f",cp{self.cp}" if self.cp != 1 else ""
-        return f"(tp{self.tp},pp{self.pp}{cp})"
+        rc = ",rc" if self.rc else ""
+        return f"(tp{self.tp},pp{self.pp}{cp}{rc})"
 
     @classmethod
     def parse(cls, text: str) -> "ParallelScheme":
-        """Parse ``tp4``, ``(tp4,pp2)``, ``(cp2,tp4)`` or ``tp8,pp3,cp1``: the degrees in any order, each at most
-        once; missing degrees default to 1."""
+        """Parse ``tp4``, ``(tp4,pp2)``, ``(cp2,tp4)``, ``tp8,pp3,cp1`` or ``(tp8,rc)``: the degrees in any order,
+        each at most once; missing degrees default to 1; ``rc``: activation recomputation."""
         body = text.strip()
         if body.startswith("(") and body.endswith(")"):
             body = body[1:-1]
-        degrees: dict[str, int] = {}
+        degrees: dict[str, int | bool] = {}
         for part in filter(None, (p.strip() for p in body.split(","))):
-            m = re.fullmatch(r"(tp|pp|cp)(\d+)", part)
-            if m is None or m.group(1) in degrees:
-                raise PlanError(f"cannot parse scheme {text!r}: expected e.g. '(tp4,pp2)'")
-            degrees[m.group(1)] = int(m.group(2))
-        if not degrees:
-            raise PlanError(f"cannot parse scheme {text!r}: expected e.g. '(tp4,pp2)'")
-        return cls(**degrees)
+            m = re.fullmatch(r"(tp|pp|cp)(\d+)|(rc)", part)
+            key = "" if m is None else str(m.group(1) or m.group(3))
+            if m is None or key in degrees:
+                raise PlanError(f"cannot parse scheme {text!r}: expected e.g. '(tp4,pp2)' or '(tp8,cp2,rc)'")
+            degrees[key] = True if key == "rc" else int(m.group(2))
+        if not set(degrees) - {"rc"}:
+            raise PlanError(f"cannot parse scheme {text!r}: expected e.g. '(tp4,pp2)' or '(tp8,cp2,rc)'")
+        return cls(**degrees)  # type: ignore[arg-type]
 
 
-def _scheme_sort_key(scheme: ParallelScheme) -> tuple[int, int, int, int]:
-    return (-scheme.gpus, -scheme.tp, -scheme.pp, -scheme.cp)
+def _scheme_sort_key(scheme: ParallelScheme) -> tuple[int, int, int, int, bool]:
+    return (-scheme.gpus, -scheme.tp, -scheme.pp, -scheme.cp, scheme.rc)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,9 @@ the trainer never disagree on what fits. A rank of scheme (tp, pp, cp) holds:
   buffer);
 - the movement buffers (``runtime.buffer_bytes``: the transfer chunks, and the overlapped runtime's windows);
 - the activations of one micro-batch: ``bytes_per_token / (tp * cp)`` per token (1F1B keeps ``pp`` micro-batches
-  of ``layers / pp`` layers on the first stage: the whole model's worth).
+  of ``layers / pp`` layers on the first stage: the whole model's worth); under recomputation (``scheme.rc``)
+  ``recompute_bytes_per_token / (tp * cp) + layer_input_bytes / cp``: every layer's input, whole on every rank
+  of a TP group, and what the one layer being recomputed and the loss keep.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class ModelMemory:
     bytes_per_token: float
     """Activation bytes one token of a micro-batch keeps for the backward on one rank without tensor or context
     parallelism (all layers, the loss's copies of the logits included)."""
+    recompute_bytes_per_token: float | None = None
+    """Under recomputation: the activation bytes per token that tensor parallelism splits, on one rank without
+    tensor or context parallelism (one layer's, recomputed in the backward, and the loss's copies of the
+    logits); None: not known, a recomputing scheme is charged ``bytes_per_token`` (no saving)."""
+    layer_input_bytes: float = 0.0
+    """Under recomputation: the bytes per token of every layer's input together (what each layer keeps for its
+    recomputation), whole on every rank of a TP group (its tensor parallelism does not split the sequence)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "split_params", "embed_params", "head_params"):
@@ -51,6 +60,10 @@ class ModelMemory:
                             f"({self.head_params}) parameters are more than all {self.params}")
         if not self.bytes_per_token > 0:
             raise PlanError(f"bytes_per_token must be > 0, got {self.bytes_per_token!r}")
+        if self.recompute_bytes_per_token is not None and not self.recompute_bytes_per_token > 0:
+            raise PlanError(f"recompute_bytes_per_token must be > 0 or None, got {self.recompute_bytes_per_token!r}")
+        if not self.layer_input_bytes >= 0:
+            raise PlanError(f"layer_input_bytes must be >= 0, got {self.layer_input_bytes!r}")
 
     def stage_params(self, scheme: ParallelScheme) -> float:
         """Parameters one rank of ``scheme`` computes with: its TP slice of the layers of its heaviest stage (a
@@ -61,7 +74,9 @@ class ModelMemory:
         return sliced + edges
 
     def per_token(self, scheme: ParallelScheme) -> float:
-        """Activation bytes a rank of ``scheme`` keeps per token of one of its micro-batches."""
+        """Activation bytes a rank of ``scheme`` keeps per token of one of its micro-batches (module docstring)."""
+        if scheme.rc and self.recompute_bytes_per_token is not None:
+            return self.recompute_bytes_per_token / (scheme.tp * scheme.cp) + self.layer_input_bytes / scheme.cp
         return self.bytes_per_token / (scheme.tp * scheme.cp)
 
 

@@ -195,8 +195,9 @@ class RankMovement:
 
 def compute_scheme(scheme: ParallelScheme) -> ParallelScheme:
     """The scheme whose parameter slices ``scheme``'s ranks compute with: a CP rank holds the same TP slice
-    of its stage as the replica without CP, so ``(tp, pp, cp)`` computes as ``(tp, pp)``."""
-    return scheme if scheme.cp == 1 else ParallelScheme(tp=scheme.tp, pp=scheme.pp)
+    of its stage as the replica without CP, so ``(tp, pp, cp)`` computes as ``(tp, pp)``; recomputation changes
+    nothing of it either."""
+    return scheme if scheme.cp == 1 and not scheme.rc else ParallelScheme(tp=scheme.tp, pp=scheme.pp)
 
 
 def places(strategy: Strategy, gpus_per_node: int) -> list[Place]:
