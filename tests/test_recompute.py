@@ -213,6 +213,34 @@ def test_auto_recomputes_only_where_the_data_needs_it():
         PlanJob(recompute="yes")
 
 
+def _auto_with_twins(rank, world):
+    compiled = hcompile.compile(_model("gpt"), buckets=TokenBuckets(sizes=(16, 32, 64, 128)))
+    trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
+                               tokens_per_rank=CAP, calibrate=False, recompute=True)
+    entries = {e.scheme: (e.a, e.b, e.c, e.max_tokens) for e in trainer.cost_model.entries}
+    stats = trainer.train_step(_batch([40, 30, 9, 20], _vocab("gpt")))
+    return entries, stats.loss, trainer.full_state_dict()
+
+
+def test_recompute_option_plans_every_schemes_twin_and_trains_exactly(tmp_path):
+    """``TrainOptions(recompute=True)``: every scheme's recomputing twin is in the trainer's cost model, charged
+    4/3 of its attention and per-token terms, its cap at least the plain one's; a step planned with them trains
+    as single-process SGD does."""
+    per_rank = run_ranks(2, tmp_path, _auto_with_twins, timeout_s=300)
+    entries, _, _ = per_rank[0]
+    plain = [s for s in entries if not s.rc]
+    assert plain and all(ParallelScheme(tp=s.tp, pp=s.pp, cp=s.cp, rc=True) in entries for s in plain)
+    for s in plain:
+        a, b, c, cap = entries[s]
+        ra, rb, rc_c, rc_cap = entries[ParallelScheme(tp=s.tp, pp=s.pp, cp=s.cp, rc=True)]
+        assert (ra, rb, rc_c) == pytest.approx((a * RECOMPUTE_TIME, b * RECOMPUTE_TIME, c)) and rc_cap >= cap
+    losses, states = reference_sgd(_model("gpt"), [_batch([40, 30, 9, 20], _vocab("gpt"))], 0.5)
+    for _, loss, state in per_rank:
+        assert loss == pytest.approx(losses[0], rel=1e-5)
+        for n, p in states[0].items():
+            torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_the_trainer_refuses_a_bad_recompute_option():
     with pytest.raises(ValueError, match="recompute must be True or False, got 'auto'"):
         hcompile.TrainOptions(recompute="auto")
