@@ -244,3 +244,70 @@ def test_recompute_option_plans_every_schemes_twin_and_trains_exactly(tmp_path):
 def test_the_trainer_refuses_a_bad_recompute_option():
     with pytest.raises(ValueError, match="recompute must be True or False, got 'auto'"):
         hcompile.TrainOptions(recompute="auto")
+
+
+def test_hcompile_plan_takes_the_recompute_mode(capsys):
+    """``hcompile plan --recompute off`` refuses the 160K-token documents on 64 GPUs (exit 2, the longest held
+    named); ``--recompute auto`` plans them, and its JSON says it recomputes."""
+    import json
+
+    from hcompile.cli import main
+
+    job = ["plan", "--gpus", "64", "--dataset", "long-context", "--global-tokens", "400000", "--steps", "1",
+           "--policy", "homogeneous-cp"]
+    assert main([*job, "--recompute", "off"]) == 2
+    assert "longer than every scheme can hold on 64 GPUs (longest supported: 153600 tokens)" in capsys.readouterr().err
+    assert main([*job, "--recompute", "auto", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["recompute"] is True and report["cp_fixed_strategy"].endswith(",rc)")
+
+
+def _recomputing(plan):
+    """A regrouped plan of ``tests/test_regrouped_cp.py`` with every slot and group recomputing."""
+    import dataclasses
+
+    strategy = Strategy.of({dataclasses.replace(s, rc=True): n for s, n in plan.strategy.parts})
+    groups = tuple(dataclasses.replace(g, scheme=dataclasses.replace(g.scheme, rc=True)) for g in plan.replicas)
+    return dataclasses.replace(plan, strategy=strategy, replicas=groups)
+
+
+def _train_regrouped(rank, world):
+    from collective_order import CollectiveRecorder
+    from p2p_order import P2PRecorder
+    from test_regrouped_cp import BUCKETS, plans
+
+    compiled = hcompile.compile(_model("gpt"), buckets=BUCKETS)
+    trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
+                               strategies=["4x(tp1,rc)"], tokens_per_rank=CAP, calibrate=False)
+    steps = [_recomputing(p) for p in plans().values()]
+    for plan in steps:
+        trainer._warm_for(plan)
+    out = []
+    with P2PRecorder() as p2p, CollectiveRecorder() as coll:
+        for plan in steps:
+            stats = trainer.train_plan(plan, _batch(list(plan.seq_lens), _vocab("gpt")))
+            out.append((stats.loss, trainer.full_state_dict()))
+    runs = sorted({(v.key.scheme.describe(), _recomputes(v)) for v in trainer.lowerings._variants.values()})
+    return out, runs, p2p.ops, coll.calls
+
+
+def test_regrouped_steps_of_recomputing_slots_train_exactly(tmp_path):
+    """The two regrouped steps of ``tests/test_regrouped_cp.py`` (CP groups of 4, 2 and 1 slots in one step; CP
+    groups beside a tp2 replica), every slot and group recomputing, as hydraulis plans them where long documents
+    need recomputation: loss and every parameter equal to single-process SGD, orders matched on every rank."""
+    from collective_order import collective_problems
+    from test_regrouped_cp import plans
+
+    per_rank = run_ranks(4, tmp_path, _train_regrouped, timeout_s=400)
+    assert p2p_problems([r[2] for r in per_rank]) == []
+    assert collective_problems([r[3] for r in per_rank]) == []
+    runs = {run for r in per_rank for run in r[1]}
+    assert {d for d, _ in runs} >= {"(tp1,pp1,cp4,rc)", "(tp1,pp1,cp2,rc)", "(tp1,pp1,rc)"} and all(a for _, a in runs)
+    model = _model("gpt")
+    for step, plan in enumerate(plans().values()):
+        losses, states = reference_sgd(model, [_batch(list(plan.seq_lens), _vocab("gpt"))], 0.5)
+        for out, _, _, _ in per_rank:
+            loss, state = out[step]
+            assert loss == pytest.approx(losses[0], rel=1e-5), (step, loss, losses[0])
+            for n, p in states[0].items():
+                torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"step {step}: {n}")
