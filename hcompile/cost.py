@@ -100,7 +100,7 @@ def _with_derived_cp(model: CostModel, schemes: Sequence[ParallelScheme]) -> Cos
     known = {e.scheme: e for e in model.entries}
     added = {}
     for scheme in schemes:
-        base = known.get(ParallelScheme(tp=scheme.tp, pp=scheme.pp, rc=scheme.rc))
+        base = known.get(dataclasses.replace(scheme, cp=1))
         if scheme not in known and base is not None:
             added[scheme] = _derived_cp(base, scheme.cp)
     return dataclasses.replace(model, entries=model.entries + tuple(added.values())) if added else model

@@ -94,12 +94,18 @@ def _base(node: fx.Node) -> fx.Node:
     return node
 
 
-def step_bytes_per_token(graph: fx.GraphModule, tokens: int) -> float:
-    """An upper estimate of a training step's activation bytes per token (``graph`` captured on ``tokens``
-    tokens): every floating intermediate some op's backward needs (the inputs of linears, products, norms,
-    activations and attention: a view counted once, at the tensor it views), one layer's worth again for the
-    backward's own working memory (the largest attention's share of the graph's intermediates), and the loss's
-    fp32 copies of the logits."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Activations:
+    """What a captured forward's activations come to, read once: bytes some backward needs (each base once), bytes
+    of every floating intermediate produced, the logits' elements, the attention layers (at least 1)."""
+
+    saved: int
+    produced: int
+    logits: int
+    layers: int
+
+
+def _activations(graph: fx.GraphModule) -> _Activations:
     saved: dict[fx.Node, int] = {}
     produced, logits = 0, 0
     for node in graph.graph.nodes:
@@ -118,29 +124,28 @@ def step_bytes_per_token(graph: fx.GraphModule, tokens: int) -> float:
             out = node.args[0][0] if isinstance(node.args[0], (tuple, list)) else node.args[0]
             logits = out.meta["val"].numel() if isinstance(out, fx.Node) and "val" in out.meta else 0
     layers = max(1, sum(1 for n in graph.graph.nodes if _name(n) in _ATTENTION_NAMES))
-    return (sum(saved.values()) + produced / layers + LOSS_COPIES * 4 * logits) / tokens
+    return _Activations(saved=sum(saved.values()), produced=produced, logits=logits, layers=layers)
 
 
-def recompute_bytes_per_token(graph: fx.GraphModule, tokens: int) -> float:
+def step_bytes_per_token(graph: fx.GraphModule, tokens: int, parts: _Activations | None = None) -> float:
+    """An upper estimate of a training step's activation bytes per token (``graph`` captured on ``tokens``
+    tokens): every floating intermediate some op's backward needs (the inputs of linears, products, norms,
+    activations and attention: a view counted once, at the tensor it views), one layer's worth again for the
+    backward's own working memory (the largest attention's share of the graph's intermediates), and the loss's
+    fp32 copies of the logits. ``parts``: the graph's activations, when already read."""
+    a = parts or _activations(graph)
+    return (a.saved + a.produced / a.layers + LOSS_COPIES * 4 * a.logits) / tokens
+
+
+def recompute_bytes_per_token(graph: fx.GraphModule, tokens: int, parts: _Activations | None = None) -> float:
     """Under recomputation, an upper estimate of what one rank without tensor or context parallelism keeps per
     token besides every layer's input (``graph`` captured on ``tokens`` tokens): one layer's share of the saved
     intermediates (``step_bytes_per_token``'s), the backward's working memory (one layer's share of everything
     produced, twice: the recomputed forward's and the backward's own), and the loss's fp32 copies of the
-    logits."""
-    layers = max(1, sum(1 for n in graph.graph.nodes if _name(n) in _ATTENTION_NAMES))
-    plain = step_bytes_per_token(graph, tokens)
-    logits = 0
-    produced = 0
-    for node in graph.graph.nodes:
-        value = node.meta.get("val")
-        if node.op in ("call_function", "call_method") and isinstance(value, torch.Tensor) \
-                and value.is_floating_point() and _name(node) not in _ALIASES:
-            produced += value.numel() * value.element_size()
-        elif node.op == "output":
-            out = node.args[0][0] if isinstance(node.args[0], (tuple, list)) else node.args[0]
-            logits = out.meta["val"].numel() if isinstance(out, fx.Node) and "val" in out.meta else 0
-    loss = LOSS_COPIES * 4 * logits / tokens
-    return (plain - loss) / layers + produced / layers / tokens + loss
+    logits. ``parts``: the graph's activations, when already read."""
+    a = parts or _activations(graph)
+    loss = LOSS_COPIES * 4 * a.logits / tokens
+    return (step_bytes_per_token(graph, tokens, a) - loss) / a.layers + a.produced / a.layers / tokens + loss
 
 
 _ATTENTION_NAMES = frozenset({"scaled_dot_product_attention", "extended_attention", "packed_attention"})
@@ -167,10 +172,11 @@ def model_memory(graph: fx.GraphModule, tokens: int) -> ModelMemory:
     residual = max((n.meta["val"].numel() * n.meta["val"].element_size() / tokens for n in canonical.graph.nodes
                     if n.op == "call_function" and n.target is torch.nn.functional.embedding
                     and isinstance(n.meta.get("val"), torch.Tensor)), default=0.0)
+    parts = _activations(graph)
     return ModelMemory(params=sum(numel.values()), split_params=sum(numel[n] for n in split),
                        embed_params=sum(numel[n] for n in embed), head_params=sum(numel[n] for n in head if n in numel),
-                       bytes_per_token=step_bytes_per_token(graph, tokens),
-                       recompute_bytes_per_token=recompute_bytes_per_token(graph, tokens),
+                       bytes_per_token=step_bytes_per_token(graph, tokens, parts),
+                       recompute_bytes_per_token=recompute_bytes_per_token(graph, tokens, parts),
                        layer_input_bytes=layers * residual)
 
 

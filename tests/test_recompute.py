@@ -186,7 +186,7 @@ def test_the_planner_prices_recomputation(scheme):
 def test_schemes_name_recomputation():
     scheme = ParallelScheme.parse("(tp8,cp2,rc)")
     assert scheme == ParallelScheme(tp=8, cp=2, rc=True) and scheme.describe() == "(tp8,pp1,cp2,rc)"
-    assert scheme.layout_scheme == ParallelScheme(tp=8, cp=2)
+    assert compute_scheme(scheme) == ParallelScheme(tp=8)
     assert Strategy.parse("2x(tp8,rc)+2x(tp8)").describe() == "2x(tp8,pp1)+2x(tp8,pp1,rc)"
     for bad in ("rc", "(tp2,rc,rc)", "(tp2,rcx)"):
         with pytest.raises(PlanError, match="cannot parse scheme"):

@@ -190,7 +190,7 @@ class PlanReport:
     @property
     def recompute(self) -> bool:
         """Whether the plans recompute every layer (``PlanJob.recompute``, decided by the data under ``auto``)."""
-        return " recomputed" in self.cost_model.name
+        return any(e.scheme.rc for e in self.cost_model.entries)
 
     @property
     def any_schedule_bound_ms(self) -> float:
@@ -280,7 +280,7 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     if job.recompute == "auto" and dataset.max_len > _longest_held(cost_model, job.gpus):
         recompute = True
         layout, cost_model = _layout_and_model(job, profile, dataset, links, runtime, recompute)
-    if dataset.max_len > max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, job.gpus)), default=0):
+    if dataset.max_len > _longest_held(cost_model, job.gpus):
         raise too_long_error(cost_model, job.gpus, dataset.max_len)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
@@ -315,6 +315,7 @@ def _layout_and_model(job: PlanJob, profile: Profile, dataset: LengthDataset, li
 
 
 def _longest_held(cost_model: CostModel, gpus: int) -> int:
+    """The longest sequence a scheme usable on ``gpus`` GPUs holds."""
     return max((cost_model.max_tokens(s) for s in usable_schemes(cost_model, gpus)), default=0)
 
 

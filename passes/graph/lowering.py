@@ -271,7 +271,10 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
 
 def _recomputed(run: Callable, args: tuple) -> tuple:
     """``run(*args)`` keeping only its inputs for the backward, which runs it again (non-reentrant checkpoint: the
-    collectives inside run again in the same order on every rank of their group; the RNG state is restored)."""
+    collectives inside run again in the same order on every rank of their group; the RNG state is restored);
+    ``run(*args)`` as it is when no gradient is recorded."""
+    if not torch.is_grad_enabled():
+        return run(*args)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -298,7 +301,7 @@ class _Piece(nn.Module):
     def forward(self, *args):
         if self.gate[0] is not None:
             self.gate[0](self.reads)
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute:
             return _recomputed(self._run[0], args)
         return self._run[0](*args)
 

@@ -354,10 +354,10 @@ def build_cost_model(profile: Profile, optimizer_layout: Strategy, runtime: Runt
     entries = [SchemeCost(scheme=s, a=a, b=b, c=c, max_tokens=max_tokens_for(profile, s, optimizer_layout, runtime))
                for s, a, b, c in profile.coefficients if not s.rc]
     if recompute:
-        entries += [with_recompute_time(replace(e, scheme=replace(e.scheme, rc=True),
-                                                max_tokens=max_tokens_for(profile, replace(e.scheme, rc=True),
-                                                                          optimizer_layout, runtime)))
-                    for e in entries]
+        twins = [replace(e.scheme, rc=True) for e in entries]
+        entries += [with_recompute_time(replace(e, scheme=twin,
+                                                max_tokens=max_tokens_for(profile, twin, optimizer_layout, runtime)))
+                    for e, twin in zip(entries, twins)]
     memory = "" if runtime is None else f" {runtime.name} memory"
     again = " recomputed" if recompute else ""
     return CostModel(name=f"{profile.name} layout {optimizer_layout.describe()}{memory}{again}",

@@ -62,11 +62,6 @@ class ParallelScheme:
         """GPUs one replica of this scheme occupies."""
         return self.tp * self.pp * self.cp
 
-    @property
-    def layout_scheme(self) -> "ParallelScheme":
-        """The scheme whose parameter slices this one computes with: itself without recomputation."""
-        return ParallelScheme(tp=self.tp, pp=self.pp, cp=self.cp) if self.rc else self
-
     def describe(self) -> str:
         """Stable text form, e.g. ``(tp4,pp2)``; ``cp`` is printed only when it is not 1, ``rc`` (recomputation)
         only when set: ``(tp8,pp1,cp2,rc)``."""

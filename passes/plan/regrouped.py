@@ -22,7 +22,7 @@ one homogeneous layout; hydraulis takes the best over the slot layouts of its po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def cp_size(cost_model: CostModel, base: ParallelScheme, seq_len: int) -> int:
 
 def with_cp(base: ParallelScheme, cp: int) -> ParallelScheme:
     """``base`` with CP size ``cp`` (``base`` itself for 1)."""
-    return base if cp == 1 else ParallelScheme(tp=base.tp, pp=base.pp, cp=cp, rc=base.rc)
+    return base if cp == 1 else replace(base, cp=cp)
 
 
 def slot_layout(strategy: Strategy) -> Strategy | None:
@@ -77,7 +77,7 @@ def slot_layout(strategy: Strategy) -> Strategy | None:
         return None
     counts: dict[ParallelScheme, int] = {}
     for scheme in strategy.replicas():
-        base = ParallelScheme(tp=scheme.tp, rc=scheme.rc)
+        base = replace(scheme, cp=1)
         counts[base] = counts.get(base, 0) + scheme.cp
     return Strategy.of(counts)
 
@@ -125,7 +125,7 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
         end, scheme, cp, ms, block = best
         first[block] = np.where(first[block] == 0.0, ms, first[block])
         free[block], last[block] = end, ms
-        group = ParallelScheme(tp=scheme.tp, cp=cp, rc=scheme.rc)
+        group = with_cp(scheme, cp)
         groups.append(ReplicaPlan(scheme=group, ranks=tuple(r for k in block for r in ranks[k]),
                                   micro_batches=((i,),), est_ms=ms, max_tokens=cost_model.max_tokens(group)))
     short = [i for i, n in enumerate(seq_lens) if n <= caps.max()]
@@ -198,7 +198,7 @@ def _cp_options(cost_model: CostModel, known: set, schemes: tuple[ParallelScheme
         except PlanError:  # the cost model lacks the CP scheme this needs
             cp = 0
         while cp >= 2:  # the least that holds it, and wider ones (a shorter latency)
-            group = ParallelScheme(tp=scheme.tp, cp=cp, rc=scheme.rc)
+            group = with_cp(scheme, cp)
             if group not in known or cost_model.max_tokens(group) < seq_len:
                 break
             found.append((scheme, cp, cost_model.micro_batch_ms(group, [seq_len])))
