@@ -23,6 +23,7 @@ from passes.plan.ir import CostModel, ParallelScheme, SchemeCost, Strategy
 from passes.plan.memory import ModelMemory
 from passes.plan.movement import ComputeLayout, compute_scheme, merged
 from runtime.fixed_layout import FixedLayout
+from runtime.overlap import layout_windows
 
 __all__ = ["ANALYSIS_TOKENS", "CPU", "default_cost_model", "cap_tokens", "check_strategies", "compute_layout",
            "add_listed_cp_schemes", "add_needed_cp_schemes", "token_ranks",
@@ -162,7 +163,8 @@ def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
                    schemes: Sequence[ParallelScheme]) -> ComputeLayout:
     """Where every (scheme, stage, TP rank) of ``schemes`` computes in ``layout``: the flat ranges of its
     lowering's parameter slices (``FixedLayout.slice_ranges``, what ``runtime.stage_params`` holds), for the
-    planner's movement count (``passes.plan.movement``). Decides the lowerings it has not met yet."""
+    planner's movement count (``passes.plan.movement``), with the windows the overlapped runtime cuts ``layout``
+    into by default (``runtime.overlap.layout_windows``). Decides the lowerings it has not met yet."""
     ranges = {}
     for scheme in sorted({compute_scheme(s) for s in schemes}):  # a CP rank computes as its TP rank
         for stage in range(scheme.pp):
@@ -171,4 +173,5 @@ def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
                 lowering = lowerings.lowering(scheme, stage, tp_rank, group)
                 ranges[(scheme, stage, tp_rank)] = merged([r for sl in lowering.params
                                                            for r in layout.slice_ranges(sl)])
-    return ComputeLayout(numel=layout.numel, ranges=ranges, regions=tuple(layout.regions))
+    return ComputeLayout(numel=layout.numel, ranges=ranges, regions=tuple(layout.regions),
+                         windows=len(layout_windows(layout)))

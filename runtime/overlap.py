@@ -46,6 +46,8 @@ from typing import Callable
 
 import torch
 
+from passes.plan.movement import MAX_WINDOW_NUMEL as PLANNED_MAX_WINDOW_NUMEL
+from passes.plan.movement import OVERLAP_WINDOWS, window_cuts
 from runtime import distributed as comm
 from runtime.fixed_layout import FixedLayout
 from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges, intersect, pieces, total
@@ -55,10 +57,10 @@ __all__ = ["layout_windows", "WindowedMovement", "Message", "Unit", "MovementInF
            "DEFAULT_WINDOWS", "MAX_WINDOW_NUMEL", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes",
            "largest_unit_numel", "check_inflight_bytes"]
 
-DEFAULT_WINDOWS = 8
+DEFAULT_WINDOWS = OVERLAP_WINDOWS
 """Windows the fixed layout is cut into for overlapped movement (more where they would exceed
 ``MAX_WINDOW_NUMEL``)."""
-MAX_WINDOW_NUMEL = 1 << 25
+MAX_WINDOW_NUMEL = PLANNED_MAX_WINDOW_NUMEL
 """Elements of the largest window (one parameter larger than this is a window of its own)."""
 DEFAULT_INFLIGHT_BYTES = 1 << 28
 """Bytes of movement buffers a rank's progress thread keeps in flight at most (256 MiB)."""
@@ -82,23 +84,11 @@ def overlap_buffer_bytes(inflight_bytes: int, unit_numel: int, param_bytes: int,
 def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tuple[int, int]]:
     """The flat vector cut into windows [lo, hi) at parameter boundaries, each about ``numel / count`` elements
     and at most ``MAX_WINDOW_NUMEL`` where the parameters allow (a parameter larger than that is one window), plus
-    one more where a window would cross into the layout's next region (``FixedLayout.regions``: none does)."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"the number of movement windows must be a positive integer, got {count!r}")
-    count = max(count, -(-layout.numel // MAX_WINDOW_NUMEL))
-    target = layout.numel / count
-    region_starts = {lo for lo, _ in layout.regions[1:]}
-    cuts, sized = [0], 1
-    for spec in layout.specs.values():
-        if spec.offset <= cuts[-1]:
-            continue
-        if spec.offset in region_starts:
-            cuts.append(spec.offset)
-        elif (spec.offset - cuts[-1] >= target and sized < count) or \
-                spec.offset + spec.numel - cuts[-1] > MAX_WINDOW_NUMEL:  # the window would grow past the bound
-            cuts.append(spec.offset)
-            sized += 1
-    return [(lo, hi) for lo, hi in zip(cuts, [*cuts[1:], layout.numel]) if hi > lo]
+    one more where a window would cross into the layout's next region (``FixedLayout.regions``: none does): the
+    planner's rule (``passes.plan.movement.window_cuts``), so that it counts the windows this runtime cuts."""
+    specs = sorted(layout.specs.values(), key=lambda spec: spec.offset)
+    return window_cuts(((spec.offset, spec.numel) for spec in specs), layout.numel,
+                       (lo for lo, _ in layout.regions[1:]), count, MAX_WINDOW_NUMEL)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

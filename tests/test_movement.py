@@ -130,6 +130,20 @@ def test_the_synthesised_llama_layout_is_the_lowerings():
                                        heads=cfg.heads, kv_heads=cfg.kv_heads, vocab=cfg.vocab, schemes=schemes)
     assert synthesised.numel == real.numel == sum(p.numel() for p in model.parameters())
     assert synthesised.ranges == real.ranges and synthesised.regions == real.regions
+    # the overlapped runtime's windows, counted by the planner as the runtime cuts them: 8, and more once the
+    # windows' bound (33.5M elements at scale) makes the runtime cut more
+    from runtime import overlap
+
+    assert synthesised.windows == real.windows == len(overlap.layout_windows(layout)) == 8
+    import passes.plan.movement as movement
+
+    for bound in (4000, 20000):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(movement, "MAX_WINDOW_NUMEL", bound)
+            patch.setattr(overlap, "MAX_WINDOW_NUMEL", bound)
+            small = llama_compute_layout(layers=cfg.layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
+                                         heads=cfg.heads, kv_heads=cfg.kv_heads, vocab=cfg.vocab, schemes=schemes)
+            assert small.windows == len(overlap.layout_windows(layout)) > 8, bound
     with pytest.raises(PlanError, match=r"\(tp3,pp1\) does not fit a LLaMA of 4 heads"):
         llama_compute_layout(layers=4, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=96,
                              schemes=[ParallelScheme(tp=3)])

@@ -64,7 +64,8 @@ def test_plans_are_charged_per_replica_under_the_plain_charge_and_over_the_bound
     blind = Planner(model, 8, pool, fixed)
     charged = Planner(model, 8, pool, fixed, movement=overlapped)
     assert 0 < charged.movement_floor_ms == pytest.approx(Planner(model, 8, pool, fixed, movement=plain)
-                                                         .movement_floor_ms / 8)
+                                                         .movement_floor_ms / overlapped.windows)
+    assert overlapped.windows == layout.windows  # as the runtime cuts this layout (tests/test_movement.py)
     for policy in POLICIES:
         got = charged.plan(batch, policy)
         compute = max(r.est_ms for r in got.replicas)
@@ -122,3 +123,43 @@ def test_bad_settings_are_refused_by_name():
         MovementCost(layout, links, mode="overlapped", slowdown=-0.1)
     with pytest.raises(PlanError, match="overlap_slowdown must be a finite number >= 0, got nan"):
         Links(gpus_per_node=4, intra_gbps=1, inter_gbps=1, latency_us=1, overlap_slowdown=float("nan"))
+
+
+def test_the_ranking_counts_on_the_longest_micro_batch_to_cover_the_first_pull_and_last_push():
+    """With ``edge_ms`` (the longest micro-batch each scheme runs), the estimate a strategy is ranked and pooled by
+    is the worst rank's stall and tail with that micro-batch first and last, computed here from the ranks' phases
+    by ``overlapped_exposure``; it falls as the cover grows, to the first and last window's share when the cover
+    is unbounded; above ``exact_up_to`` ranks it is the same estimate on per-rank phases that are bounds under
+    the replay's, so never above it; and the pool scores a mix above ``exact_up_to`` by its schemes'
+    homogeneous strategies."""
+    from passes.plan.movement import full_micro_batch_ms
+
+    model = _cost_model()
+    layout = _llama(list(model.schemes))
+    links = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)
+    edges = full_micro_batch_ms(model)
+    assert edges == {s: model.micro_batch_ms(s, [model.max_tokens(s)]) for s in model.schemes}
+    for text in ("8x(tp1)", "1x(tp4)+2x(tp2)", "2x(tp4)"):
+        strategy = Strategy.parse(text)
+        blind = MovementCost(layout, links, mode="overlapped")
+        t = blind.time(strategy)
+        pull, push = np.asarray(t.pull_ranks), np.asarray(t.push_ranks)
+        estimates = []
+        for scale in (0.0, 0.1, 1.0, 10.0, 1e9):
+            scaled = {s: ms * scale for s, ms in edges.items()}
+            cost = MovementCost(layout, links, mode="overlapped", edge_ms=scaled)
+            cover = np.array([scaled[s] for s, ranks in zip(strategy.replicas(), cost._rank_places(strategy)[1])
+                              for _ in ranks])
+            stall, tail = overlapped_exposure(pull, push, np.zeros(len(pull)), cover, cover, cost.windows)
+            assert cost.exposed_ms(strategy) == pytest.approx(float((stall + tail).max())), (text, scale)
+            estimates.append(cost.exposed_ms(strategy))
+            quick = MovementCost(layout, links, mode="overlapped", edge_ms=scaled, exact_up_to=0)
+            assert 0 < quick.ranking_ms(strategy) <= cost.exposed_ms(strategy) + 1e-9, (text, scale)
+        assert estimates == sorted(estimates, reverse=True) and estimates[0] > estimates[-1], text
+        assert estimates[-1] == pytest.approx(blind.exposed_ms(strategy)), text  # nothing but the edge windows
+    quick = MovementCost(layout, links, mode="overlapped", edge_ms=edges, exact_up_to=0)
+    mix = Strategy.parse("1x(tp4)+2x(tp2)")
+    assert quick.pool_ms(mix) == max(quick.ranking_ms(Strategy.parse("2x(tp4)")),
+                                     quick.ranking_ms(Strategy.parse("4x(tp2)")))
+    exact = MovementCost(layout, links, mode="overlapped", edge_ms=edges)
+    assert exact.pool_ms(mix) == exact.exposed_ms(mix)

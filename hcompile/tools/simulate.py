@@ -30,7 +30,7 @@ from passes.plan.datasets import LengthDataset, load_dataset, read_lengths_file,
 from passes.plan.diagnose import PARTS, StepDiagnosis, diagnose
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, StepPlan, Strategy
 from passes.plan.links import LINK_PRESETS, link_preset
-from passes.plan.movement import MOVEMENT_MODES, MovementCost, llama_compute_layout, movement_bytes
+from passes.plan.movement import MOVEMENT_MODES, MovementCost, full_micro_batch_ms, llama_compute_layout, movement_bytes
 from passes.plan.placement import too_long_error, usable_schemes
 from passes.plan.policies import ALL_POLICIES, CP_POLICIES, POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
@@ -220,6 +220,7 @@ class PlanReport:
             "any_schedule_bound_ms_mean": round(self.any_schedule_bound_ms, 3),
             "movement": None if self.movement is None else {
                 "charged": self.job.charge_movement, "mode": self.movement.mode,
+                **({"windows": self.movement.windows} if self.movement.mode == "overlapped" else {}),
                 "links": self.movement.links.to_dict(),
                 "param_bytes": self.movement.param_bytes, "reduce_bytes": self.movement.reduce_bytes,
                 "floor_ms": round(self.movement_floor_ms, 3)},
@@ -286,8 +287,8 @@ def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, Le
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
     movement = _job_movement(job, profile, cost_model)
     charged = movement if job.charge_movement else None
-    # the pool sees the movement where the exact replay is cheap (it scores thousands of mixes; 50K at 1024 GPUs)
-    pool_extra = charged.exposed_ms if charged is not None and job.gpus <= charged.exact_up_to else None
+    # the pool scores thousands of mixes (50K at 1024 GPUs): by the exact replay where it is cheap, else per scheme
+    pool_extra = charged.pool_ms if charged is not None else None
     pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers,
                       extra=pool_extra)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
@@ -339,7 +340,7 @@ def movement_cost(profile: Profile, hardware: str, cost_model: CostModel, mode: 
                                   vocab=profile.vocab, schemes=list(cost_model.schemes))
     links = profile.links if profile.links is not None else link_preset(hardware)
     return MovementCost(layout, links, param_bytes=2, reduce_bytes=reduce_bytes, mode=mode,
-                        slowdown=links.overlap_slowdown)
+                        slowdown=links.overlap_slowdown, edge_ms=full_micro_batch_ms(cost_model))
 
 
 def _job_movement(job: PlanJob, profile: Profile, cost_model: CostModel) -> MovementCost | None:
@@ -438,8 +439,9 @@ def format_report(report: PlanReport) -> str:
                      f"also for ranks regrouping within the step, as dynamic-cp's do)")
     if report.movement is not None:
         links = report.movement.links
-        lines.append(f"movement ({report.movement.mode} runtime; move ms: the exposed pull and push of the step's "
-                     f"plan) "
+        windows = f", {report.movement.windows} windows" if report.movement.mode == "overlapped" else ""
+        lines.append(f"movement ({report.movement.mode} runtime{windows}; move ms: the exposed pull and push of the "
+                     f"step's plan) "
                      f"{'in' if job.charge_movement else 'NOT in'} the step estimates; links: "
                      f"{links.gpus_per_node} GPUs per node, {links.intra_gbps:g} GB/s inside a node, "
                      f"{links.inter_gbps:g} GB/s between nodes, {links.latency_us:g} us per message")

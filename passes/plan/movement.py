@@ -17,31 +17,33 @@ planner charges a strategy, cached per strategy, with a floor no strategy can be
 (``MOVEMENT_MODES``):
 
 - ``plain`` (``runtime.redistribute``): the pull before the compute and the push after it, both exposed;
-- ``overlapped`` (``runtime.overlap``, ``TrainOptions(overlap_movement=True)``): the layout in ``windows``
-  windows; a rank's pull travels while its stage waits for the pipeline to fill and computes the first
-  micro-batch's forward window by window, its push while the last micro-batch's backward finishes the windows
-  in reverse (:func:`overlapped_exposure`: per rank, the stall of the forward and the tail of the push after
-  the rank's last backward, each window's transfer taking an equal share of the rank's pull or push as the
-  rounds' replay times them); a replica's step is its compute, stretched by ``slowdown`` while its transfers
-  run, plus its ranks' largest stall and tail (a replica that ends early hides its push behind the others).
+- ``overlapped`` (``runtime.overlap``, ``TrainOptions(overlap_movement=True)``): the layout in ``windows`` windows,
+  as many as the runtime cuts it into (:func:`window_cuts`, the one rule of both: 8, or one per large parameter at
+  scale, 423 for a 32B LLaMA); a rank's pull travels while its stage waits for the pipeline to fill and computes the
+  first micro-batch's forward window by window, its push while the last micro-batch's backward finishes the windows
+  in reverse (:func:`overlapped_exposure`: per rank, the stall of the forward and the tail of the push after the
+  rank's last backward, each window's transfer taking an equal share of the rank's pull or push as the rounds'
+  replay times them); a replica's step is its compute, stretched by ``slowdown`` while its transfers run, plus its
+  ranks' largest stall and tail (a replica that ends early hides its push behind the others).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
-from passes.plan.ir import ParallelScheme, PlanError, Strategy
+from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan.links import Links
 from passes.plan.placement import assign_ranks
 
 __all__ = ["region_shares", "owned_ranges", "compute_scheme", "ComputeLayout", "RankMovement", "movement_bytes",
            "merged", "places", "shared_transfer_ms", "llama_compute_layout", "pair_elements", "MovementTime",
            "movement_time", "MovementCost", "DEFAULT_CHUNK_NUMEL", "MOVEMENT_MODES", "OVERLAP_WINDOWS",
-           "FORWARD_SHARE", "overlapped_exposure"]
+           "FORWARD_SHARE", "overlapped_exposure", "MAX_WINDOW_NUMEL", "window_cuts",
+           "full_micro_batch_ms"]
 
 DEFAULT_CHUNK_NUMEL = 1 << 24
 """Elements of the runtime's largest single message (``runtime.redistribute.DEFAULT_CHUNK_NUMEL``)."""
@@ -49,7 +51,10 @@ DEFAULT_CHUNK_NUMEL = 1 << 24
 MOVEMENT_MODES = ("plain", "overlapped")
 """The runtimes :class:`MovementCost` models (module docstring)."""
 OVERLAP_WINDOWS = 8
-"""Windows of the overlapped runtime (``runtime.overlap.DEFAULT_WINDOWS``)."""
+"""Windows the overlapped runtime cuts the layout into at least (``runtime.overlap.DEFAULT_WINDOWS``): more where
+they would exceed ``MAX_WINDOW_NUMEL`` (:func:`window_cuts`)."""
+MAX_WINDOW_NUMEL = 1 << 25
+"""Elements of the overlapped runtime's largest window (one parameter larger than this is a window of its own)."""
 FORWARD_SHARE = 1 / 3
 """The forward's share of a micro-batch's forward and backward time (the backward computes twice the FLOPs)."""
 
@@ -91,6 +96,32 @@ def owned_ranges(regions: Ranges, owner: int, world: int) -> list[tuple[int, int
             out.append((a, b, pos))
         pos += share
     return out
+
+
+def window_cuts(extents: Iterable[tuple[int, int]], numel: int, region_starts: Iterable[int] = (),
+                count: int = OVERLAP_WINDOWS, max_numel: int | None = None) -> list[tuple[int, int]]:
+    """The overlapped runtime's windows of a flat vector of ``numel`` elements, [lo, hi) each: cut at parameter
+    starts (``extents``: (offset, elements) of every parameter, in flat order) into about ``numel / count``
+    elements each, at most ``max_numel`` (None: ``MAX_WINDOW_NUMEL``) where the parameters allow (a parameter
+    larger than that is a window of its own: so a large model gets more than ``count``), and at every start of
+    a region (``region_starts``) besides. The one rule of ``runtime.overlap.layout_windows`` and of the
+    planner's window count (:attr:`ComputeLayout.windows`)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise PlanError(f"the number of movement windows must be a positive integer, got {count!r}")
+    max_numel = MAX_WINDOW_NUMEL if max_numel is None else max_numel
+    count = max(count, -(-numel // max_numel))
+    target = numel / count
+    starts = set(region_starts)
+    cuts, sized = [0], 1
+    for offset, size in extents:
+        if offset <= cuts[-1]:
+            continue
+        if offset in starts:
+            cuts.append(offset)
+        elif (offset - cuts[-1] >= target and sized < count) or offset + size - cuts[-1] > max_numel:
+            cuts.append(offset)  # the window is due, or would grow past the bound
+            sized += 1
+    return [(lo, hi) for lo, hi in zip(cuts, [*cuts[1:], numel]) if hi > lo]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +168,9 @@ class ComputeLayout:
     regions: Ranges = ()
     """The flat ranges every rank owns an equal contiguous share of (the runtime's: the parameters TP never
     splits, then the others); empty: one region, the whole vector."""
+    windows: int = OVERLAP_WINDOWS
+    """The windows the overlapped runtime cuts this layout into (:func:`window_cuts` of its parameters; a
+    layout built without them: ``OVERLAP_WINDOWS``)."""
     _prefix: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +180,8 @@ class ComputeLayout:
         if regions[0][0] != 0 or regions[-1][1] != self.numel or any(
                 a[1] != b[0] for a, b in zip(regions, regions[1:])) or any(hi <= lo for lo, hi in regions):
             raise PlanError(f"regions must cut [0, {self.numel}) into consecutive non-empty ranges, got {regions}")
+        if isinstance(self.windows, bool) or not isinstance(self.windows, int) or self.windows < 1:
+            raise PlanError(f"windows must be a positive integer, got {self.windows!r}")
         object.__setattr__(self, "regions", regions)
         for place, ranges in self.ranges.items():
             if merged(ranges) != tuple(ranges) or (ranges and (ranges[0][0] < 0 or ranges[-1][1] > self.numel)):
@@ -423,16 +459,23 @@ class MovementCost:
     """What the planner charges a strategy for its movement, under the ``plain`` or the ``overlapped`` runtime
     (module docstring), cached per strategy. :meth:`exposed_ms` replays the rounds (O(ranks^2), cached);
     :meth:`quick_ms` is a bound under it in O(ranks x places); :meth:`ranking_ms`, what a planner ranks many
-    candidates by, is the first up to ``exact_up_to`` ranks and the second above. Overlapped, a plan's charge
-    depends on its micro-batches: :meth:`step_ms`."""
+    candidates by, is the first up to ``exact_up_to`` ranks and the same estimate on the second's per-rank phases
+    above; :meth:`pool_ms` what the strategy pool scores mixes by. Overlapped, a plan's charge depends on its
+    micro-batches (:meth:`step_ms`); the estimates count on each scheme's longest micro-batch to cover what it
+    can (``edge_ms``)."""
 
     def __init__(self, layout: ComputeLayout, links: Links, *, param_bytes: int = 2, reduce_bytes: int = 4,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, exact_up_to: int = 256, mode: str = "plain",
-                 windows: int = OVERLAP_WINDOWS, slowdown: float = 0.0):
-        """``mode``: ``plain`` or ``overlapped``; ``windows``: the overlapped runtime's windows; ``slowdown``: how
-        much slower compute runs while transfers run beside it (0.05: 5%), a property of the hardware."""
+                 windows: int | None = None, slowdown: float = 0.0,
+                 edge_ms: Mapping[ParallelScheme, float] | None = None):
+        """``mode``: ``plain`` or ``overlapped``; ``windows``: the overlapped runtime's windows (None: the
+        layout's, :attr:`ComputeLayout.windows`); ``slowdown``: how much slower compute runs while transfers run
+        beside it (0.05: 5%), a property of the hardware; ``edge_ms``: per scheme, the longest micro-batch its
+        replicas run on one stage (:func:`full_micro_batch_ms`), what :meth:`exposed_ms` counts on to cover the
+        first pull and the last push (None: nothing covers more than a window)."""
         if mode not in MOVEMENT_MODES:
             raise PlanError(f"movement mode must be one of {MOVEMENT_MODES}, got {mode!r}")
+        windows = layout.windows if windows is None else windows
         if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
             raise PlanError(f"windows must be a positive integer, got {windows!r}")
         if not (isinstance(slowdown, (int, float)) and 0 <= slowdown < float("inf")):
@@ -440,18 +483,38 @@ class MovementCost:
         self.layout, self.links, self.exact_up_to = layout, links, exact_up_to
         self.param_bytes, self.reduce_bytes, self.chunk_numel = param_bytes, reduce_bytes, chunk_numel
         self.mode, self.windows, self.slowdown = mode, windows, float(slowdown)
+        self.edge_ms = None if edge_ms is None else dict(edge_ms)
         self._times: dict[Strategy, MovementTime] = {}
-        self._quick: dict[Strategy, float] = {}
+        self._quick: dict[Strategy, tuple[np.ndarray, np.ndarray]] = {}
+        self._per_scheme: dict[tuple[ParallelScheme, int], float] = {}
         self._columns: dict[tuple[Place, int], np.ndarray] = {}
         self._ranks: dict[Strategy, tuple[np.ndarray, list[np.ndarray]]] = {}
 
     def ranking_ms(self, strategy: Strategy) -> float:
-        """:meth:`exposed_ms` on up to ``exact_up_to`` ranks (a few ms at 64), :meth:`quick_ms` above (the
-        replay costs about 0.1 s per strategy at 1024 ranks, and a step ranks hundreds); overlapped, the
-        plain bound over the windows above ``exact_up_to``."""
+        """:meth:`exposed_ms` on up to ``exact_up_to`` ranks (a few ms at 64); above, the same estimate on the
+        per-rank phases of :meth:`quick_ms` instead of the rounds' replay (which costs about 0.1 s per strategy
+        at 1024 ranks, and a step ranks hundreds)."""
         if strategy.gpus <= self.exact_up_to:
             return self.exposed_ms(strategy)
-        return self._plain_quick_ms(strategy) / (self.windows if self.mode == "overlapped" else 1)
+        if self.mode == "plain":
+            return self._plain_quick_ms(strategy)
+        return self._overlapped_estimate(strategy, *self._quick_ranks(strategy))
+
+    def pool_ms(self, strategy: Strategy) -> float:
+        """What the strategy pool scores a mix's movement by (it scores thousands: 50K at 1024 GPUs): up to
+        ``exact_up_to`` ranks :meth:`exposed_ms`; above, the largest :meth:`ranking_ms` of the homogeneous
+        strategies of its schemes (a rank's movement is mostly set by its own scheme's slice), each computed
+        once."""
+        if strategy.gpus <= self.exact_up_to:
+            return self.exposed_ms(strategy)
+        out = 0.0
+        for scheme in strategy.schemes:
+            key = (scheme, strategy.gpus)
+            if key not in self._per_scheme:
+                self._per_scheme[key] = (self.ranking_ms(Strategy.homogeneous(scheme, strategy.gpus))
+                                         if strategy.gpus % scheme.gpus == 0 else self.ranking_ms(strategy))
+            out = max(out, self._per_scheme[key])
+        return out
 
     def quick_ms(self, strategy: Strategy) -> float:
         """A bound under what any plan of ``strategy`` is charged: plain, per phase, the busiest rank's sends or
@@ -460,15 +523,21 @@ class MovementCost:
         return 0.0 if self.mode == "overlapped" else self._plain_quick_ms(strategy)
 
     def _plain_quick_ms(self, strategy: Strategy) -> float:
+        pull, push = self._quick_ranks(strategy)
+        return float(pull.max(initial=0.0)) + float(push.max(initial=0.0))
+
+    def _quick_ranks(self, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank, a bound under its pull and its push: its sends or its receives one after another at their
+        links' speed, a latency per message, no waiting for the other ends (cached)."""
         if strategy not in self._quick:
-            self._quick[strategy] = self._quick_ms(strategy)
+            self._quick[strategy] = self._quick_phases(strategy)
         return self._quick[strategy]
 
-    def _quick_ms(self, strategy: Strategy) -> float:
+    def _quick_phases(self, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
         where = places(strategy, self.links.gpus_per_node)
         world, gpn = len(where), self.links.gpus_per_node
         if world < 2:
-            return 0.0
+            return np.zeros(world), np.zeros(world)
         node = np.arange(world) // gpn
         nodes = int(node[-1]) + 1
         intra, inter = 1 / (self.links.intra_gbps * 1e6), 1 / (self.links.inter_gbps * 1e6)
@@ -495,8 +564,9 @@ class MovementCost:
             send += column * (same * intra + (len(ranks) - here[node]) * inter)
             send_msgs += holds * (len(ranks) - is_place)
         latency = self.links.latency_us * 1e-3
-        return sum(float(np.max(np.maximum(recv * b + recv_msgs * latency, send * b + send_msgs * latency)))
-                   for b in (self.param_bytes, self.reduce_bytes))
+        pull, push = (np.maximum(recv * b + recv_msgs * latency, send * b + send_msgs * latency)
+                      for b in (self.param_bytes, self.reduce_bytes))
+        return pull, push
 
     def time(self, strategy: Strategy) -> MovementTime:
         """The movement phases of ``strategy``."""
@@ -507,22 +577,37 @@ class MovementCost:
         return self._times[strategy]
 
     def exposed_ms(self, strategy: Strategy) -> float:
-        """Step time the movement of ``strategy`` adds: plain, all of it; overlapped, the least a plan of it
-        exposes where nothing covers the first window's pull and the last window's push (the busiest rank's
-        pull and push over the windows), plus ``slowdown`` times the transfers of the replica that moves least
-        (what its compute pays beside them): what the pool and the ranking score it by, and the charge of plans
-        whose micro-batches the model does not see (``dynamic-cp``'s regrouped slots)."""
+        """Step time the movement of ``strategy`` adds: plain, all of it; overlapped, an estimate of the least a
+        plan of it exposes: every rank's stall and tail (:func:`overlapped_exposure`) with the longest micro-batch
+        its scheme runs first and last (``edge_ms``; without them nothing covers more than the first window's
+        pull and the last window's push), the worst rank's, plus ``slowdown`` times the transfers of the replica
+        that moves least (what its compute pays beside them): what the pool and the ranking score it by (a plan
+        is charged :meth:`step_ms`). Not a bound: a replica that ends early hides its own."""
         t = self.time(strategy)
         if self.mode == "plain":
             return t.total_ms
-        both = np.asarray(t.pull_ranks) + np.asarray(t.push_ranks)
-        if not self.slowdown or strategy.gpus < 2:
-            return float(both.max(initial=0.0)) / self.windows
+        return self._overlapped_estimate(strategy, np.asarray(t.pull_ranks), np.asarray(t.push_ranks))
+
+    def _overlapped_estimate(self, strategy: Strategy, pull: np.ndarray, push: np.ndarray) -> float:
+        """:meth:`exposed_ms` under the overlapped runtime, from each rank's pull and push."""
+        if strategy.gpus < 2:
+            return 0.0
+        both = pull + push
+        stage, members = self._rank_places(strategy)
+        if self.edge_ms is None:
+            exposed = float(both.max(initial=0.0)) / self.windows
+        else:  # each rank's first forward and last backward those of the longest micro-batch its scheme runs
+            edge = np.zeros(len(both))
+            for ranks, scheme in zip(members, strategy.replicas()):
+                edge[ranks] = self.edge_ms.get(scheme, 0.0)
+            stall, tail = overlapped_exposure(pull, push, stage, edge, edge, self.windows)
+            exposed = float((stall + tail).max(initial=0.0))
+        if not self.slowdown:
+            return exposed
         # and the slowdown every replica's compute pays beside its transfers, at least that of the one moving least
         # (a replica computes at least as long as its transfers run at the scales planned)
-        _, members = self._rank_places(strategy)
         least = min((float(both[r].max(initial=0.0)) for r in members), default=0.0)
-        return float(both.max(initial=0.0)) / self.windows + self.slowdown * least
+        return exposed + self.slowdown * least
 
     def step_ms(self, strategy: Strategy, replica_ms: list[float], edges: list[tuple[float, float]]) -> float:
         """The step of a plan of ``strategy`` with movement: plain, its slowest replica (``replica_ms``, in
@@ -591,6 +676,12 @@ class _Param:
     stage: str
     """``first``, ``last`` or ``layer``."""
     layer: int = -1
+
+
+def full_micro_batch_ms(cost_model: CostModel) -> dict[ParallelScheme, float]:
+    """Per scheme of ``cost_model``, its longest micro-batch on one stage: one sequence of its ``max_tokens``
+    (what covers the most of a replica's first pull and last push: :attr:`MovementCost.edge_ms`)."""
+    return {s: cost_model.micro_batch_ms(s, [cost_model.max_tokens(s)]) for s in cost_model.schemes}
 
 
 def _llama_params(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int) -> list[_Param]:
@@ -662,4 +753,5 @@ def llama_compute_layout(*, layers: int, hidden: int, ffn_hidden: int, heads: in
                         inner = p.numel // (p.rows or p.numel)
                         own.append((offset + a * inner, offset + b * inner))
                 ranges[(scheme, stage, tp_rank)] = merged(own)
-    return ComputeLayout(numel=total, ranges=ranges, regions=((0, whole), (whole, total)))
+    return ComputeLayout(numel=total, ranges=ranges, regions=((0, whole), (whole, total)),
+                         windows=len(window_cuts(zip(offsets, (p.numel for p in params)), total, (whole,))))

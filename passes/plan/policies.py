@@ -22,12 +22,12 @@ runtime runs as it runs hydraulis' regrouped plans), given the planner's ``cp_fi
 - ``dynamic-cp``: Megatron-Core's dynamic CP (``dynamic_cp.py``): fixed TP, each sequence its own CP size
   over the DP x CP slots, ranks regrouping per sequence (``StepPlan.regrouped``).
 
-With a :class:`~passes.plan.movement.MovementCost`, every policy's estimate is its compute makespan plus the
-exposed parameter and gradient movement of its plan (``StepPlan.est_move_ms``): under the plain runtime all of
-the strategy's movement, under the overlapped one what its micro-batches do not cover
-(``MovementCost.step_ms``; dynamic-cp, whose regrouped slots the model does not follow, the least any plan
-exposes); the strategies are chosen and ranked by that sum, and the lower bound adds the movement floor (no
-plan exposes less); without one, estimates and bounds are compute only.
+With a :class:`~passes.plan.movement.MovementCost`, every policy's estimate is its compute makespan plus the exposed
+parameter and gradient movement of its plan (``StepPlan.est_move_ms``): under the plain runtime all of the
+strategy's movement, under the overlapped one what its micro-batches do not cover (``MovementCost.step_ms``; a
+regrouped plan's, dynamic-cp's as hydraulis's, with every slot a replica busy until it finishes, covering with its
+first and last micro-batch); the strategies are chosen and ranked by that sum, and the lower bound adds the movement
+floor (no plan exposes less); without one, estimates and bounds are compute only.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
-from passes.plan.regrouped import regrouped_schedule, slot_layout
+from passes.plan.regrouped import RegroupedPlan, regrouped_schedule, slot_layout
 
 __all__ = ["POLICIES", "CP_POLICIES", "ALL_POLICIES", "Planner", "homogeneous_strategies", "sized_homogeneous"]
 
@@ -213,10 +213,19 @@ class Planner:
         if self.cp_base is None:
             raise PlanError("policy dynamic-cp needs the planner's cp_base TP scheme; none was given")
         schedule = dynamic_cp_schedule(self.cost_model, self.gpus, self.cp_base, seq_lens)
-        layout = Strategy.homogeneous(self.cp_base, self.gpus)  # CP ranks compute with the TP slices
-        move = self.move_ms(layout)  # overlapped: the least, with nothing covering (regrouped slots)
-        return _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=schedule.makespan_ms + move,
-                           move_ms=move)
+        est, move = self._regrouped_charge(schedule)  # CP ranks compute with the slots' TP slices
+        return _Assignment(strategy=schedule.layout, replicas=schedule.replicas, est_ms=est, move_ms=move)
+
+    def _regrouped_charge(self, schedule: RegroupedPlan) -> tuple[float, float]:
+        """(step ms, movement ms) of a regrouped schedule: plain, its makespan plus the layout's movement;
+        overlapped, each slot a replica, busy until it finishes (its waits included), covering with its first
+        and last micro-batch (``MovementCost.step_ms``)."""
+        layout = schedule.layout
+        if self.movement is None or self.movement.mode == "plain":
+            move = self.move_ms(layout)
+            return schedule.makespan_ms + move, move
+        est = self.movement.step_ms(layout, list(schedule.slot_ms), list(schedule.edges))
+        return est, est - schedule.makespan_ms
 
     def choose_cp_baselines(self, longest: int, trial: list[list[int]]) -> None:
         """Give this planner its CP baselines at their best: of the TP schemes that can hold ``longest``
@@ -268,15 +277,9 @@ class Planner:
         for schedule in sorted(schedules, key=lambda s: s.makespan_ms):
             if best is not None and schedule.makespan_ms >= best.est_ms:
                 break  # movement only adds: none of the rest is better
-            layout = schedule.layout
-            if self.movement is None or self.movement.mode == "plain":
-                move = self.move_ms(layout)
-                est = schedule.makespan_ms + move
-            else:  # each slot a replica: busy until it finishes (its waits included), its first and last edge
-                est = self.movement.step_ms(layout, list(schedule.slot_ms), list(schedule.edges))
-                move = est - schedule.makespan_ms
+            est, move = self._regrouped_charge(schedule)
             if best is None or est < best.est_ms - 1e-9:
-                best = _Assignment(strategy=layout, replicas=schedule.replicas, est_ms=est, move_ms=move)
+                best = _Assignment(strategy=schedule.layout, replicas=schedule.replicas, est_ms=est, move_ms=move)
         return best
 
     def bounds(self, seq_lens: Sequence[int]) -> Bounds:
