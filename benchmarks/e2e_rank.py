@@ -166,8 +166,8 @@ def _setup_policy(job: RankJob, compiled, policy: str) -> dict:
 def _warmed(trainer, planner, policy: str) -> list:
     """The strategies whose variants ``policy``'s plans can ask for: the fixed strategy (the baselines), the CP
     baselines' own, or the pool; where plans regroup (dynamic-cp, hydraulis with CP schemes), the homogeneous
-    strategy of every CP scheme of their slots, whose aligned groups theirs are."""
-    from passes.plan.ir import ParallelScheme, Strategy
+    strategy of every CP scheme of their slots' TP, recomputing or not, whose aligned groups theirs are."""
+    from passes.plan.ir import Strategy
 
     world = planner.gpus
     if policy in ("padding", "fixed-packing", "homogeneous-token"):
@@ -176,8 +176,9 @@ def _warmed(trainer, planner, policy: str) -> list:
         return [planner.cp_fixed]
     slots = ({planner.cp_base} if policy == "dynamic-cp"
              else {s for layout in planner.layouts for s in layout.schemes})
+    tps = {s.tp for s in slots}  # a slot's groups recompute or not, group by group, on its slice
     regrouping = [Strategy.homogeneous(s, world) for s in trainer.cost_model.schemes
-                  if s.pp == 1 and ParallelScheme(tp=s.tp) in slots and world % s.gpus == 0]
+                  if s.pp == 1 and s.tp in tps and world % s.gpus == 0]
     return regrouping if policy == "dynamic-cp" else [*planner.pool, planner.fixed, *regrouping]
 
 

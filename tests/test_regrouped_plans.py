@@ -106,3 +106,38 @@ def test_hydraulis_with_regrouping_is_never_slower_than_dynamic_cp(charged):
 def test_a_layout_with_a_scheme_that_holds_no_token_is_refused():
     with pytest.raises(PlanError, match="cannot run: \\(tp2,pp1\\)"):
         regrouped_schedule(MODEL, Strategy.parse("8x(tp8)+32x(tp2)"), BATCH)
+
+
+def test_recomputation_is_chosen_group_by_group_on_plain_slots():
+    """32B on 64 A800s with recomputing twins (documents of 160K tokens, which no plain CP group of 8 tp8 slots
+    holds): on plain tp8 slots the 160K documents run in recomputing CP groups, each other sequence on a plain
+    slot or group as it fits, every sequence once, each rank on one parameter slice; the step is shorter than on
+    recomputing slots (which recompute the short documents too) and never under the any-schedule bound.
+    Without twins in the cost model no group recomputes and the 160K document is refused by name."""
+    gpus = 64
+    layout = default_optimizer_layout(PROFILE, gpus, 160_000, HCOMPILE_RUNTIME, longest_held=True, recompute=True)
+    twins = with_context_parallel(build_cost_model(PROFILE, layout, HCOMPILE_RUNTIME, recompute=True), PROFILE,
+                                  LINKS, gpus, 160_000, layout, HCOMPILE_RUNTIME)
+    batch = [160_000, 160_000, 61_000, 40_000, 20_000, 9_000, 4_000, 2_500, 900, 300] * 2
+    plain_slots, rc_slots = Strategy.parse("8x(tp8)"), Strategy.parse("8x(tp8,rc)")
+    schedule = regrouped_schedule(twins, plain_slots, batch)
+    members = sorted(i for r in schedule.replicas for mb in r.micro_batches for i in mb)
+    assert members == list(range(len(batch)))
+    for group in schedule.replicas:
+        lens = [batch[i] for mb in group.micro_batches for i in mb]
+        assert all(sum(batch[i] for i in mb) <= twins.max_tokens(group.scheme) for mb in group.micro_batches)
+        if max(lens) == 160_000:
+            assert group.scheme.rc and group.scheme.cp > 1, group.scheme  # only recomputing groups hold it
+        if max(lens) <= twins.max_tokens(ParallelScheme(tp=8)):
+            assert not group.scheme.rc, (group.scheme, lens)  # what a plain slot holds runs plain
+    assert any(g.scheme.rc for g in schedule.replicas) and any(not g.scheme.rc for g in schedule.replicas)
+    plan = StepPlan(strategy=plain_slots, seq_lens=tuple(batch), replicas=schedule.replicas,
+                    est_step_ms=schedule.makespan_ms, lower_bound_ms=0.0, policy="hydraulis", regrouped=True)
+    assert plan.slot_problem() is None
+    check_placement(plan.replicas, Cluster(world_size=gpus, gpus_per_node=8), regrouped=True)
+    assert schedule.makespan_ms < regrouped_schedule(twins, rc_slots, batch).makespan_ms
+    assert schedule.makespan_ms >= bound_terms(twins, gpus, tuple(batch)).any_schedule * (1 - 1e-9)
+    plain_model = with_context_parallel(build_cost_model(PROFILE, layout, HCOMPILE_RUNTIME), PROFILE, LINKS, gpus,
+                                        153_600, layout, HCOMPILE_RUNTIME)
+    with pytest.raises(PlanError, match="a sequence of 160000 tokens fits no CP group of the slots of 8x"):
+        regrouped_schedule(plain_model, plain_slots, batch)

@@ -248,14 +248,17 @@ class Planner:
         self.cp_fixed = homogeneous_cp_strategy(self.cost_model, self.gpus, min(timed["homogeneous-cp"])[2], longest)
 
     def _slot_layouts(self) -> list[Strategy]:
-        """The slot layouts of the pool's strategies (``regrouped.slot_layout``) and the homogeneous layouts of
-        its TP schemes, each once."""
+        """The slot layouts of the pool's strategies (``regrouped.slot_layout``), the same with slots that do not
+        recompute (which recompute group by group where a sequence needs it), and the homogeneous layouts of
+        their TP schemes, each once."""
         layouts: dict[Strategy, None] = {}
         for strategy in self.pool:
             layout = slot_layout(strategy)
-            if layout is not None:
-                layouts.setdefault(layout)
-                for scheme in layout.schemes:
+            if layout is None:
+                continue
+            for each in dict.fromkeys((layout, slot_layout(strategy, recompute=False))):
+                layouts.setdefault(each)
+                for scheme in each.schemes:
                     if self.gpus % scheme.gpus == 0:
                         layouts.setdefault(Strategy.homogeneous(scheme, self.gpus))
         return [s for s in layouts if not self.cost_model.fits(s)]

@@ -9,8 +9,10 @@ block of ``c`` slots of one scheme ``(tp)`` forms, for one sequence, a CP group 
 
 1. the sequences no slot holds alone, longest first: each on the option that finishes earliest, over every
    scheme of the layout that has enough slots, with the least power-of-two CP size that holds it
-   (:func:`cp_size`), on that scheme's aligned block that is free earliest (a group starts when all of its
-   slots are free);
+   (:func:`cp_size`), and, where the slots do not recompute and the cost model knows their recomputing twin,
+   with the least that holds it recomputing (a group of one slot included), on that scheme's aligned block that
+   is free earliest (a group starts when all of its slots are free). Recomputation is so chosen group by
+   group: a slot's parameter slice is the same either way, and its own micro-batches stay plain;
 2. the rest, longest first, onto the slot (of a scheme that holds it) that finishes it earliest, each charged its
    additive time on that slot's scheme; then each slot's share packed into micro-batches by the planner's own
    packing (``assign.pack_replica``).
@@ -32,6 +34,10 @@ from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, St
 from passes.plan.placement import assign_ranks
 
 __all__ = ["RegroupedPlan", "regrouped_schedule", "slot_layout", "cp_size", "with_cp"]
+
+Option = tuple[ParallelScheme, int, float, ParallelScheme]
+"""(slot scheme, CP size, time of the sequence on the group, the group's scheme: the slot scheme with that CP
+size, recomputing or not)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,14 +76,15 @@ def with_cp(base: ParallelScheme, cp: int) -> ParallelScheme:
     return base if cp == 1 else replace(base, cp=cp)
 
 
-def slot_layout(strategy: Strategy) -> Strategy | None:
+def slot_layout(strategy: Strategy, recompute: bool = True) -> Strategy | None:
     """The slots of ``strategy``: every ``(tp, cp)`` replica as ``cp`` replicas of ``(tp)`` (None when a replica
-    is pipelined: regrouped CP groups are formed of pp = 1 slots here)."""
+    is pipelined: regrouped CP groups are formed of pp = 1 slots here); with ``recompute=False``, slots that do
+    not recompute (a recomputing replica's slots as plain ones)."""
     if any(s.pp != 1 for s in strategy.schemes):
         return None
     counts: dict[ParallelScheme, int] = {}
     for scheme in strategy.replicas():
-        base = replace(scheme, cp=1)
+        base = replace(scheme, cp=1) if recompute else replace(scheme, cp=1, rc=False)
         counts[base] = counts.get(base, 0) + scheme.cp
     return Strategy.of(counts)
 
@@ -109,23 +116,22 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
                    if o[1] <= len(of_scheme[o[0]])] for i in long_ones}
     target = _average_ms(kinds, options, seq_lens, caps.max(), layout.gpus) if widen else 0.0
     options = {i: _chosen(opts, target, widen) for i, opts in options.items()}
-    for i in sorted(long_ones, key=lambda j: (-min((t for _, _, t in options[j]), default=0.0), j)):
+    for i in sorted(long_ones, key=lambda j: (-min((o[2] for o in options[j]), default=0.0), j)):
         if not options[i]:
             raise PlanError(f"a sequence of {seq_lens[i]} tokens fits no CP group of the slots of "
                             f"{layout.describe()}")
         best: tuple | None = None
-        for scheme, cp, ms in options[i]:
+        for scheme, cp, ms, group in options[i]:
             members = of_scheme[scheme]
             blocks = free[members[:len(members) - len(members) % cp]].reshape(-1, cp).max(axis=1)
             b = int(np.argmin(blocks))
             end = float(blocks[b]) + ms
             if best is None or end < best[0] - 1e-9:
-                best = (end, scheme, cp, ms, members[b * cp:(b + 1) * cp])
+                best = (end, group, cp, ms, members[b * cp:(b + 1) * cp])
         assert best is not None  # options[i] is not empty
-        end, scheme, cp, ms, block = best
+        end, group, cp, ms, block = best
         first[block] = np.where(first[block] == 0.0, ms, first[block])
         free[block], last[block] = end, ms
-        group = with_cp(scheme, cp)
         groups.append(ReplicaPlan(scheme=group, ranks=tuple(r for k in block for r in ranks[k]),
                                   micro_batches=((i,),), est_ms=ms, max_tokens=cost_model.max_tokens(group)))
     short = [i for i, n in enumerate(seq_lens) if n <= caps.max()]
@@ -161,31 +167,33 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
                          edges=tuple((float(f), float(b)) for f, b in zip(first, last)))
 
 
-def _chosen(options: list[tuple[ParallelScheme, int, float]], target: float, widen: bool
-            ) -> list[tuple[ParallelScheme, int, float]]:
-    """Per scheme one option: the least CP size, or with ``widen`` the narrowest within ``target`` (else the
-    widest)."""
-    out: dict[ParallelScheme, tuple[ParallelScheme, int, float]] = {}
-    for scheme, cp, ms in options:  # per scheme, narrowest first
-        if scheme not in out or (widen and out[scheme][2] > target):
-            out[scheme] = (scheme, cp, ms)
+def _chosen(options: list[Option], target: float, widen: bool) -> list[Option]:
+    """Per slot scheme, recomputing or not, one option: the least CP size, or with ``widen`` the narrowest within
+    ``target`` (else the widest)."""
+    out: dict[tuple[ParallelScheme, bool], Option] = {}
+    for option in options:  # per slot scheme and recomputation, narrowest first
+        key = (option[0], option[3].rc)
+        if key not in out or (widen and out[key][2] > target):
+            out[key] = option
     return list(out.values())
 
 
 def _average_ms(kinds: dict, options: dict, seq_lens: list[int], cap: int, gpus: int) -> float:
     """The step's average GPU time: every sequence at its cheapest GPU-ms (least CP groups for the long ones,
     alone on a slot for the others), over the GPUs."""
-    area = sum(min((ms * cp * scheme.tp for scheme, cp, ms in opts), default=0.0) for opts in options.values())
+    area = sum(min((ms * cp * scheme.tp for scheme, cp, ms, _ in opts), default=0.0) for opts in options.values())
     area += sum(min(k.scheme.tp * (k.seq_ms(n) + k.c * n / k.max_tokens) for k in kinds.values()
                     if k.max_tokens >= n) for n in seq_lens if n <= cap)
     return area / gpus
 
 
 def _cp_options(cost_model: CostModel, known: set, schemes: tuple[ParallelScheme, ...], seq_len: int,
-                memo: dict | None) -> list[tuple[ParallelScheme, int, float]]:
-    """(slot scheme, CP size, time) of every CP group of ``layout``'s slots that holds ``seq_len`` tokens: per
-    scheme the least power-of-two CP size that does (:func:`cp_size`) and each wider one the cost model
-    knows (``memo``: the options already found, by scheme and length)."""
+                memo: dict | None) -> list[Option]:
+    """(slot scheme, CP size, time, group scheme) of every group of ``layout``'s slots that holds ``seq_len``
+    tokens: per scheme the least power-of-two CP size that does (:func:`cp_size`) and each wider one the cost
+    model knows; for a slot that does not recompute, the same of its recomputing twin where the cost model knows
+    it, from a group of one slot up (its parameter slice is the slot's: recomputation is chosen group by group).
+    ``memo``: the options already found, by scheme and length."""
     out = []
     for scheme in schemes:
         key = (scheme, seq_len)
@@ -193,16 +201,18 @@ def _cp_options(cost_model: CostModel, known: set, schemes: tuple[ParallelScheme
             out.extend(memo[key])
             continue
         found = []
-        try:
-            cp = cp_size(cost_model, scheme, seq_len)
-        except PlanError:  # the cost model lacks the CP scheme this needs
-            cp = 0
-        while cp >= 2:  # the least that holds it, and wider ones (a shorter latency)
-            group = with_cp(scheme, cp)
-            if group not in known or cost_model.max_tokens(group) < seq_len:
-                break
-            found.append((scheme, cp, cost_model.micro_batch_ms(group, [seq_len])))
-            cp *= 2
+        twin = replace(scheme, rc=True)
+        for base in (scheme, twin) if not scheme.rc and twin in known else (scheme,):
+            try:
+                cp = cp_size(cost_model, base, seq_len)
+            except PlanError:  # the cost model lacks the CP scheme this needs
+                cp = 0
+            while cp >= (1 if base is twin else 2):  # the least that holds it, and wider ones (a shorter latency)
+                group = with_cp(base, cp)
+                if group not in known or cost_model.max_tokens(group) < seq_len:
+                    break
+                found.append((scheme, cp, cost_model.micro_batch_ms(group, [seq_len]), group))
+                cp *= 2
         if memo is not None:
             memo[key] = found
         out.extend(found)
