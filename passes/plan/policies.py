@@ -253,10 +253,10 @@ class Planner:
         their TP schemes, each once."""
         layouts: dict[Strategy, None] = {}
         for strategy in self.pool:
-            layout = slot_layout(strategy)
-            if layout is None:
+            layout, plain = slot_layout(strategy), slot_layout(strategy, recompute=False)
+            if layout is None or plain is None:
                 continue
-            for each in dict.fromkeys((layout, slot_layout(strategy, recompute=False))):
+            for each in dict.fromkeys((layout, plain)):
                 layouts.setdefault(each)
                 for scheme in each.schemes:
                     if self.gpus % scheme.gpus == 0:
