@@ -44,7 +44,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
                    help=f"a policy to run, repeatable (default: all of {', '.join(POLICIES)}; and "
-                        f"{', '.join(CP_POLICIES)} when context parallelism is planned)")
+                        f"{', '.join(CP_POLICIES)} when context parallelism is planned; the strategy pool is built "
+                        f"only where hydraulis is planned)")
     p.add_argument("--no-regroup", action="store_true",
                    help="hydraulis plans one strategy per step, no regrouped step (CP groups re-forming per "
                         "sequence inside groups of same-scheme replicas; planned by default where CP is)")

@@ -127,9 +127,13 @@ def test_progress_of_the_pool_and_of_every_step_and_policy(capsys):
     tiers = seen["building the strategy pool"]
     assert [d for d, _ in tiers] == list(range(1, len(tiers) + 1)) and tiers[-1][0] == tiers[-1][1] >= 2
     assert seen["planning steps x policies"] == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    assert main(["plan", *FAST, "--policy", "padding"]) == 0
+    assert main(["plan", *FAST, "--policy", "hydraulis"]) == 0
     err = capsys.readouterr().err
     assert "building the strategy pool" in err and "planning steps x policies" in err
+    assert main(["plan", *FAST, "--policy", "padding"]) == 0  # only hydraulis plans from the pool: none is built
+    out, err = capsys.readouterr()
+    assert "building the strategy pool" not in err and "planning steps x policies" in err
+    assert "hydraulis pool: not built (hydraulis not planned)" in out
 
 
 def test_table_and_plans_out(tmp_path, capsys):

@@ -196,19 +196,22 @@ def test_schemes_name_recomputation():
 
 
 def test_auto_recomputes_only_where_the_data_needs_it():
-    """``long-context`` on 64 GPUs: no scheme holds its 160K-token documents without recomputation, so ``auto``
-    plans recomputing twins (and ``off`` is refused with the longest held); on 128 GPUs (tp16,cp4) holds them,
-    so ``auto`` plans exactly what ``off`` does."""
-    from hcompile.tools.simulate import PlanJob, prepare
+    """The cost model a plan job plans with (``job_cost_model``, what ``prepare`` uses). ``long-context`` on 64
+    GPUs: no scheme holds its 160K-token documents without recomputation, so ``auto`` plans recomputing twins
+    (and ``off`` is refused with the longest held); on 128 GPUs (tp16,cp4) holds them, so ``auto`` plans exactly
+    what ``off`` does."""
+    import dataclasses
+
+    from hcompile.tools.simulate import PlanJob, job_cost_model
 
     job = PlanJob(gpus=64, dataset="long-context", global_tokens=400_000, steps=1, policies=("hydraulis",))
-    planner, dataset, _ = prepare(job)
-    assert any(s.rc for s in planner.cost_model.schemes)
-    assert any(not s.rc for s in planner.cost_model.schemes)
+    model = job_cost_model(job)
+    assert any(s.rc for s in model.schemes) and any(not s.rc for s in model.schemes)
     with pytest.raises(PlanError, match="longer than every"):
-        prepare(PlanJob(gpus=64, dataset="long-context", global_tokens=400_000, steps=1, recompute="off"))
-    wide = PlanJob(gpus=128, dataset="long-context", global_tokens=400_000, steps=1, policies=("hydraulis",))
-    assert not any(s.rc for s in prepare(wide)[0].cost_model.schemes)
+        job_cost_model(dataclasses.replace(job, recompute="off"))
+    wide = dataclasses.replace(job, gpus=128)
+    assert not any(s.rc for s in job_cost_model(wide).schemes)
+    assert job_cost_model(wide) == job_cost_model(dataclasses.replace(wide, recompute="off"))
     with pytest.raises(PlanError, match="unknown recompute mode 'yes'"):
         PlanJob(recompute="yes")
 

@@ -268,29 +268,42 @@ def _profile(job: PlanJob) -> Profile:
     return load_profile_file(job.profile_file) if job.profile_file else load_profile(job.model, job.hardware)
 
 
-def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, LengthDataset, list[list[int]]]:
-    """Everything before the steps: cost model under the layout, pool (``progress`` per length tier), fixed
-    strategy, movement cost (charged when the job says so) and batches."""
-    profile = _profile(job)
+def job_cost_model(job: PlanJob) -> CostModel:
+    """The cost model ``job`` plans with: its profile's schemes under the optimiser layout, context-parallel
+    schemes and recomputing twins added as the job says (``auto``: only where a sequence of the data is longer
+    than every scheme holds without them); a sequence longer than every scheme holds is a PlanError naming it."""
+    return _job_model(job, _profile(job), _load_data(job)[0])
+
+
+def _job_model(job: PlanJob, profile: Profile, dataset: LengthDataset) -> CostModel:
     runtime = HCOMPILE_RUNTIME if job.memory_model == "hcompile" else None
-    dataset, exact = _load_data(job)
     links = profile.links if profile.links is not None else (
         link_preset(job.hardware) if job.hardware in LINK_PRESETS else None)
     recompute = job.recompute == "on"
-    layout, cost_model = _layout_and_model(job, profile, dataset, links, runtime, recompute)
+    _, cost_model = _layout_and_model(job, profile, dataset, links, runtime, recompute)
     if job.recompute == "auto" and dataset.max_len > _longest_held(cost_model, job.gpus):
-        recompute = True
-        layout, cost_model = _layout_and_model(job, profile, dataset, links, runtime, recompute)
+        _, cost_model = _layout_and_model(job, profile, dataset, links, runtime, True)
     if dataset.max_len > _longest_held(cost_model, job.gpus):
         raise too_long_error(cost_model, job.gpus, dataset.max_len)
+    return cost_model
+
+
+def prepare(job: PlanJob, progress: Progress | None = None) -> tuple[Planner, LengthDataset, list[list[int]]]:
+    """Everything before the steps: cost model under the layout (:func:`job_cost_model`), pool (``progress`` per
+    length tier; not built where the job does not plan hydraulis), fixed strategy, movement cost (charged when
+    the job says so) and batches."""
+    profile = _profile(job)
+    dataset, exact = _load_data(job)
+    cost_model = _job_model(job, profile, dataset)
     fixed = sized_homogeneous(cost_model, job.gpus, dataset.max_len)
     tiers = None if progress is None else functools.partial(progress, "building the strategy pool")
     movement = _job_movement(job, profile, cost_model)
     charged = movement if job.charge_movement else None
-    # the pool scores thousands of mixes (50K at 1024 GPUs): by the exact replay where it is cheap, else per scheme
-    pool_extra = charged.pool_ms if charged is not None else None
-    pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers,
-                      extra=pool_extra)
+    pool: list[Strategy] = []
+    if not job.policies or "hydraulis" in job.policies:  # only hydraulis plans from the pool
+        # it scores thousands of mixes (50K at 1024 GPUs): by the exact replay where cheap, else per scheme
+        pool = build_pool(cost_model, job.gpus, dataset, job.global_tokens, fixed, seed=job.seed, progress=tiers,
+                          extra=charged.pool_ms if charged is not None else None)
     batches = exact if exact is not None else sample_batches(dataset, job.global_tokens, job.steps, job.seed)
     planner = Planner(cost_model, job.gpus, pool, fixed, movement=charged,
                       regroup=job.regroup and any(s.cp > 1 for s in cost_model.schemes))
@@ -452,7 +465,8 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"context-parallel baselines: homogeneous-cp {report.cp_fixed.describe()}, dynamic-cp slots of "
                      f"{report.cp_base.describe()} (its ranks regroup within a step; step / bound of a regrouped "
                      f"plan is over the any-schedule bound)")
-    lines.append("hydraulis pool: " + ", ".join(s.describe() for s in report.pool))
+    lines.append("hydraulis pool: " + (", ".join(s.describe() for s in report.pool) or "not built (hydraulis not "
+                                                                                        "planned)"))
     return "\n".join(lines)
 
 
