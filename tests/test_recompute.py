@@ -274,15 +274,19 @@ def _recomputing(plan):
     return dataclasses.replace(plan, strategy=strategy, replicas=groups)
 
 
-def _train_regrouped(rank, world):
+def _train_regrouped(rank, world, per_group=False):
+    """Train the two regrouped steps of ``tests/test_regrouped_cp.py``, every slot and group recomputing, or on
+    plain slots recomputing group by group (``per_group``): per step the loss and the full state, the variants
+    built (scheme, recomputing or not), and the rank's p2p operations and collectives."""
     from collective_order import CollectiveRecorder
     from p2p_order import P2PRecorder
     from test_regrouped_cp import BUCKETS, plans
 
     compiled = hcompile.compile(_model("gpt"), buckets=BUCKETS)
     trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
-                               strategies=["4x(tp1,rc)"], tokens_per_rank=CAP, calibrate=False)
-    steps = [_recomputing(p) for p in plans().values()]
+                               strategies=["4x(tp1)" if per_group else "4x(tp1,rc)"], tokens_per_rank=CAP,
+                               calibrate=False, recompute=per_group)
+    steps = [(_per_group if per_group else _recomputing)(p) for p in plans().values()]
     for plan in steps:
         trainer._warm_for(plan)
     out = []
@@ -294,26 +298,33 @@ def _train_regrouped(rank, world):
     return out, runs, p2p.ops, coll.calls
 
 
-def test_regrouped_steps_of_recomputing_slots_train_exactly(tmp_path):
-    """The two regrouped steps of ``tests/test_regrouped_cp.py`` (CP groups of 4, 2 and 1 slots in one step; CP
-    groups beside a tp2 replica), every slot and group recomputing, as hydraulis plans them where long documents
-    need recomputation: loss and every parameter equal to single-process SGD, orders matched on every rank."""
+def _assert_regrouped_exact(per_rank, steps) -> set:
+    """Every rank's p2p and collective orders matched, and per step its loss and every parameter equal to
+    single-process SGD on the step's batch; the variants the ranks built."""
     from collective_order import collective_problems
-    from test_regrouped_cp import plans
 
-    per_rank = run_ranks(4, tmp_path, _train_regrouped, timeout_s=400)
     assert p2p_problems([r[2] for r in per_rank]) == []
     assert collective_problems([r[3] for r in per_rank]) == []
-    runs = {run for r in per_rank for run in r[1]}
-    assert {d for d, _ in runs} >= {"(tp1,pp1,cp4,rc)", "(tp1,pp1,cp2,rc)", "(tp1,pp1,rc)"} and all(a for _, a in runs)
     model = _model("gpt")
-    for step, plan in enumerate(plans().values()):
+    for step, plan in enumerate(steps):
         losses, states = reference_sgd(model, [_batch(list(plan.seq_lens), _vocab("gpt"))], 0.5)
         for out, _, _, _ in per_rank:
             loss, state = out[step]
             assert loss == pytest.approx(losses[0], rel=1e-5), (step, loss, losses[0])
             for n, p in states[0].items():
                 torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"step {step}: {n}")
+    return {run for r in per_rank for run in r[1]}
+
+
+def test_regrouped_steps_of_recomputing_slots_train_exactly(tmp_path):
+    """The two regrouped steps of ``tests/test_regrouped_cp.py`` (CP groups of 4, 2 and 1 slots in one step; CP
+    groups beside a tp2 replica), every slot and group recomputing, as hydraulis plans them where long documents
+    need recomputation: loss and every parameter equal to single-process SGD, orders matched on every rank."""
+    from test_regrouped_cp import plans
+
+    per_rank = run_ranks(4, tmp_path, _train_regrouped, timeout_s=400)
+    runs = _assert_regrouped_exact(per_rank, list(plans().values()))
+    assert {d for d, _ in runs} >= {"(tp1,pp1,cp4,rc)", "(tp1,pp1,cp2,rc)", "(tp1,pp1,rc)"} and all(a for _, a in runs)
 
 
 def _per_group(plan):
@@ -336,50 +347,19 @@ def _per_group(plan):
     return dataclasses.replace(plan, replicas=tuple(groups))
 
 
-def _train_per_group(rank, world):
-    from collective_order import CollectiveRecorder
-    from p2p_order import P2PRecorder
-    from test_regrouped_cp import BUCKETS, plans
-
-    compiled = hcompile.compile(_model("gpt"), buckets=BUCKETS)
-    trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
-                               strategies=["4x(tp1)"], tokens_per_rank=CAP, calibrate=False, recompute=True)
-    steps = [_per_group(p) for p in plans().values()]
-    for plan in steps:
-        trainer._warm_for(plan)
-    out = []
-    with P2PRecorder() as p2p, CollectiveRecorder() as coll:
-        for plan in steps:
-            stats = trainer.train_plan(plan, _batch(list(plan.seq_lens), _vocab("gpt")))
-            out.append((stats.loss, trainer.full_state_dict()))
-    runs = sorted({(v.key.scheme.describe(), _recomputes(v)) for v in trainer.lowerings._variants.values()})
-    return out, runs, p2p.ops, coll.calls
-
-
 def test_regrouped_steps_choose_recomputation_group_by_group(tmp_path):
     """The two regrouped steps of ``tests/test_regrouped_cp.py`` on plain slots, recomputation chosen group by
     group as the planner plans it where a document needs it: a recomputing CP group of 4 then a plain and a
     recomputing CP group of 2 in one step, and a slot running a recomputing group of one slot and then its plain
     micro-batches with the same parameter slice. Loss and every parameter equal to single-process SGD, the p2p
     and collective orders matched on every rank."""
-    from collective_order import collective_problems
     from test_regrouped_cp import plans
 
     steps = [_per_group(p) for p in plans().values()]
     assert all(p.slot_problem() is None for p in steps)
     assert {(g.scheme.describe(), len(g.ranks)) for p in steps for g in p.replicas} >= {
         ("(tp1,pp1,cp4,rc)", 4), ("(tp1,pp1,cp2,rc)", 2), ("(tp1,pp1,cp2)", 2), ("(tp1,pp1,rc)", 1), ("(tp1,pp1)", 1)}
-    per_rank = run_ranks(4, tmp_path, _train_per_group, timeout_s=400)
-    assert p2p_problems([r[2] for r in per_rank]) == []
-    assert collective_problems([r[3] for r in per_rank]) == []
-    runs = {run for r in per_rank for run in r[1]}
+    per_rank = run_ranks(4, tmp_path, _train_regrouped, True, timeout_s=400)
+    runs = _assert_regrouped_exact(per_rank, steps)
     assert {("(tp1,pp1,cp4,rc)", True), ("(tp1,pp1,cp2,rc)", True), ("(tp1,pp1,cp2)", False),
             ("(tp1,pp1,rc)", True), ("(tp1,pp1)", False)} <= runs, runs
-    model = _model("gpt")
-    for step, plan in enumerate(steps):
-        losses, states = reference_sgd(model, [_batch(list(plan.seq_lens), _vocab("gpt"))], 0.5)
-        for out, _, _, _ in per_rank:
-            loss, state = out[step]
-            assert loss == pytest.approx(losses[0], rel=1e-5), (step, loss, losses[0])
-            for n, p in states[0].items():
-                torch.testing.assert_close(state[n], p, rtol=1e-5, atol=1e-6, msg=f"step {step}: {n}")
