@@ -503,16 +503,15 @@ class MovementCost:
     def pool_ms(self, strategy: Strategy) -> float:
         """What the strategy pool scores a mix's movement by (it scores thousands: 50K at 1024 GPUs): up to
         ``exact_up_to`` ranks :meth:`exposed_ms`; above, the largest :meth:`ranking_ms` of the homogeneous
-        strategies of its schemes (a rank's movement is mostly set by its own scheme's slice), each computed
-        once."""
+        strategies of its schemes, as many replicas as the GPUs take (a rank's movement is mostly set by its own
+        scheme's slice), each computed once."""
         if strategy.gpus <= self.exact_up_to:
             return self.exposed_ms(strategy)
         out = 0.0
         for scheme in strategy.schemes:
             key = (scheme, strategy.gpus)
-            if key not in self._per_scheme:
-                self._per_scheme[key] = (self.ranking_ms(Strategy.homogeneous(scheme, strategy.gpus))
-                                         if strategy.gpus % scheme.gpus == 0 else self.ranking_ms(strategy))
+            if key not in self._per_scheme:  # as many replicas of it as the GPUs take
+                self._per_scheme[key] = self.ranking_ms(Strategy.of({scheme: strategy.gpus // scheme.gpus}))
             out = max(out, self._per_scheme[key])
         return out
 
