@@ -46,7 +46,6 @@ from typing import Callable
 
 import torch
 
-from passes.plan.movement import MAX_WINDOW_NUMEL as PLANNED_MAX_WINDOW_NUMEL
 from passes.plan.movement import OVERLAP_WINDOWS, window_cuts
 from runtime import distributed as comm
 from runtime.fixed_layout import FixedLayout
@@ -54,14 +53,12 @@ from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges,
 from runtime.stage_params import StageParams
 
 __all__ = ["layout_windows", "WindowedMovement", "Message", "Unit", "MovementInFlight", "MovementError",
-           "DEFAULT_WINDOWS", "MAX_WINDOW_NUMEL", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes",
+           "DEFAULT_WINDOWS", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes",
            "largest_unit_numel", "check_inflight_bytes"]
 
 DEFAULT_WINDOWS = OVERLAP_WINDOWS
-"""Windows the fixed layout is cut into for overlapped movement (more where they would exceed
-``MAX_WINDOW_NUMEL``)."""
-MAX_WINDOW_NUMEL = PLANNED_MAX_WINDOW_NUMEL
-"""Elements of the largest window (one parameter larger than this is a window of its own)."""
+"""Windows the fixed layout is cut into for overlapped movement (more where they would exceed the planner's
+``passes.plan.movement.MAX_WINDOW_NUMEL``, the one bound of both)."""
 DEFAULT_INFLIGHT_BYTES = 1 << 28
 """Bytes of movement buffers a rank's progress thread keeps in flight at most (256 MiB)."""
 
@@ -83,12 +80,13 @@ def overlap_buffer_bytes(inflight_bytes: int, unit_numel: int, param_bytes: int,
 
 def layout_windows(layout: FixedLayout, count: int = DEFAULT_WINDOWS) -> list[tuple[int, int]]:
     """The flat vector cut into windows [lo, hi) at parameter boundaries, each about ``numel / count`` elements
-    and at most ``MAX_WINDOW_NUMEL`` where the parameters allow (a parameter larger than that is one window), plus
-    one more where a window would cross into the layout's next region (``FixedLayout.regions``: none does): the
-    planner's rule (``passes.plan.movement.window_cuts``), so that it counts the windows this runtime cuts."""
+    and at most ``passes.plan.movement.MAX_WINDOW_NUMEL`` where the parameters allow (a parameter larger than that
+    is one window), plus one more where a window would cross into the layout's next region
+    (``FixedLayout.regions``: none does): the planner's rule (``passes.plan.movement.window_cuts``), so that it
+    counts the windows this runtime cuts."""
     specs = sorted(layout.specs.values(), key=lambda spec: spec.offset)
     return window_cuts(((spec.offset, spec.numel) for spec in specs), layout.numel,
-                       (lo for lo, _ in layout.regions[1:]), count, MAX_WINDOW_NUMEL)
+                       (lo for lo, _ in layout.regions[1:]), count)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -139,8 +139,7 @@ def test_the_synthesised_llama_layout_is_the_lowerings():
 
     for bound in (4000, 20000):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(movement, "MAX_WINDOW_NUMEL", bound)
-            patch.setattr(overlap, "MAX_WINDOW_NUMEL", bound)
+            patch.setattr(movement, "MAX_WINDOW_NUMEL", bound)  # the one bound of both
             small = llama_compute_layout(layers=cfg.layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
                                          heads=cfg.heads, kv_heads=cfg.kv_heads, vocab=cfg.vocab, schemes=schemes)
             assert small.windows == len(overlap.layout_windows(layout)) > 8, bound

@@ -113,9 +113,9 @@ def test_windows_are_bounded_in_size_and_what_flies_is_counted(monkeypatch):
     """A model larger than eight windows of ``MAX_WINDOW_NUMEL`` is cut into more windows, none larger than it
     where the parameters allow; the buffers the memory model charges are the bound in flight, or one unit each
     way in the wider dtype when that is more."""
-    import runtime.overlap as overlap
+    import passes.plan.movement as movement
 
-    monkeypatch.setattr(overlap, "MAX_WINDOW_NUMEL", 20)
+    monkeypatch.setattr(movement, "MAX_WINDOW_NUMEL", 20)  # the one bound of the runtime's and the planner's rule
     layout = FixedLayout(SHAPES, rank=0, world_size=2)
     windows = layout_windows(layout, 2)
     assert len(windows) > 2
