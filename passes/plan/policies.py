@@ -47,7 +47,7 @@ from passes.plan.movement import MovementCost
 from passes.plan.placement import assign_ranks, too_long_error, usable_schemes
 from passes.plan.pool import fluid_scores
 from passes.plan.refine import refine_strategy
-from passes.plan.regrouped import RegroupedPlan, regrouped_schedule, slot_layout
+from passes.plan.regrouped import VARIANTS, RegroupedPlan, regrouped_schedule, slot_layout
 
 __all__ = ["POLICIES", "CP_POLICIES", "ALL_POLICIES", "Planner", "homogeneous_strategies", "sized_homogeneous"]
 
@@ -264,16 +264,17 @@ class Planner:
         return [s for s in layouts if not self.cost_model.fits(s)]
 
     def _best_regrouped(self, seq_lens: list[int]) -> _Assignment | None:
-        """The best regrouped plan over the slot layouts, least CP groups and widened ones (None: no layout holds
-        the batch); movement is charged in order of the makespans, until a makespan alone is no better."""
+        """The best regrouped plan over the slot layouts and the schedule's variants (``regrouped.VARIANTS``:
+        least CP groups, widened ones, thrifty ones; None: no layout holds the batch); movement is charged in
+        order of the makespans, until a makespan alone is no better."""
         layouts = list(self.layouts)
         if self.cp_base is not None and (base := Strategy.homogeneous(self.cp_base, self.gpus)) not in layouts:
             layouts.append(base)  # the homogeneous layout dynamic-cp regroups on, where one was chosen
         memo: dict = {}
         schedules = []
-        for layout, widen in ((layout, widen) for layout in layouts for widen in (False, True)):
+        for layout, (widen, thrifty) in ((layout, variant) for layout in layouts for variant in VARIANTS):
             try:
-                schedules.append(regrouped_schedule(self.cost_model, layout, seq_lens, widen, memo))
+                schedules.append(regrouped_schedule(self.cost_model, layout, seq_lens, widen, memo, thrifty))
             except PlanError:
                 continue
         best = None

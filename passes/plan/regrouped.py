@@ -12,14 +12,19 @@ block of ``c`` slots of one scheme ``(tp)`` forms, for one sequence, a CP group 
    (:func:`cp_size`), and, where the slots do not recompute and the cost model knows their recomputing twin,
    with the least that holds it recomputing (a group of one slot included), on that scheme's aligned block that
    is free earliest (a group starts when all of its slots are free). Recomputation is so chosen group by
-   group: a slot's parameter slice is the same either way, and its own micro-batches stay plain;
+   group: a slot's parameter slice is the same either way, and its own micro-batches stay plain. The
+   *thrifty* variant instead gives each such sequence its option of least GPU time (the group's time by its
+   GPUs), the widest groups first: the earliest finish alone often takes a narrower recomputing group that
+   starts sooner and spends a quarter more GPU time than the plain group twice its width;
 2. the rest, longest first, onto the slot (of a scheme that holds it) that finishes it earliest, each charged its
    additive time on that slot's scheme; then each slot's share packed into micro-batches by the planner's own
    packing (``assign.pack_replica``).
 
 Each slot runs its CP groups first, in the order they were placed, then its own micro-batches: the plan lists
 the groups in that order (``StepPlan.regrouped``), which every rank follows. ``dynamic-cp`` is this schedule on
-one homogeneous layout; hydraulis takes the best over the slot layouts of its pool (``slot_layout``).
+one homogeneous layout (its recomputing slots offer one option per sequence, as Megatron-Core's dynamic CP
+takes the least CP size that holds it); hydraulis takes the best over the slot layouts of its pool
+(``slot_layout``) and the variants of the schedule (:data:`VARIANTS`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ from passes.plan.context_parallel import ceil_pow2
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, ReplicaPlan, Strategy
 from passes.plan.placement import assign_ranks
 
-__all__ = ["RegroupedPlan", "regrouped_schedule", "slot_layout", "cp_size", "with_cp"]
+__all__ = ["RegroupedPlan", "regrouped_schedule", "slot_layout", "cp_size", "with_cp", "VARIANTS"]
+
+VARIANTS = ((False, False), (True, False), (False, True))
+"""The (``widen``, ``thrifty``) variants of :func:`regrouped_schedule` hydraulis plans each slot layout with (both
+at once never gave a shorter step on the long-context preset at 64, 128 and 1024 GPUs)."""
 
 Option = tuple[ParallelScheme, int, float, ParallelScheme]
 """(slot scheme, CP size, time of the sequence on the group, the group's scheme: the slot scheme with that CP
@@ -90,12 +99,14 @@ def slot_layout(strategy: Strategy, recompute: bool = True) -> Strategy | None:
 
 
 def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[int], widen: bool = False,
-                       memo: dict | None = None) -> RegroupedPlan:
+                       memo: dict | None = None, thrifty: bool = False) -> RegroupedPlan:
     """The regrouped schedule of one batch on the slot ``layout`` (module docstring); a sequence no option
     holds is a PlanError naming it and the layout. ``widen``: a sequence whose least CP group would take longer
     than the step's average slot time (every sequence's GPU time over the GPUs) gets, per scheme, the narrowest
     wider group that does not (the widest when none): the longest sequence no longer sets the step alone.
-    ``memo``: a dict kept across the layouts of one batch (its CP options by scheme and length)."""
+    ``thrifty``: each sequence no slot holds alone goes to its option of least GPU time, the widest groups
+    first (longest first among equals). ``memo``: a dict kept across the layouts of one batch (its CP options by
+    scheme and length)."""
     if any(s.pp != 1 or s.cp != 1 for s in layout.schemes):
         raise PlanError(f"a slot layout has neither pipeline nor CP replicas, got {layout.describe()}")
     if bad := cost_model.fits(layout):
@@ -116,10 +127,15 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
                    if o[1] <= len(of_scheme[o[0]])] for i in long_ones}
     target = _average_ms(kinds, options, seq_lens, caps.max(), layout.gpus) if widen else 0.0
     options = {i: _chosen(opts, target, widen) for i, opts in options.items()}
-    for i in sorted(long_ones, key=lambda j: (-min((o[2] for o in options[j]), default=0.0), j)):
+    for i in long_ones:
         if not options[i]:
             raise PlanError(f"a sequence of {seq_lens[i]} tokens fits no CP group of the slots of "
                             f"{layout.describe()}")
+    if thrifty:  # one option each, the least GPU time; aligned blocks stay full when the widest go first
+        options = {i: [min(opts, key=_gpu_ms)] for i, opts in options.items()}
+    order = sorted(long_ones, key=lambda j: (-options[j][0][1] * options[j][0][0].tp if thrifty else 0,
+                                             -min(o[2] for o in options[j]), j))
+    for i in order:
         best: tuple | None = None
         for scheme, cp, ms, group in options[i]:
             members = of_scheme[scheme]
@@ -165,6 +181,12 @@ def regrouped_schedule(cost_model: CostModel, layout: Strategy, seq_lens: list[i
                                       micro_batches=tuple(tuple(sorted(b)) for b in bins)))
     return RegroupedPlan(layout=layout, replicas=tuple(groups), slot_ms=tuple(float(f) for f in finish),
                          edges=tuple((float(f), float(b)) for f, b in zip(first, last)))
+
+
+def _gpu_ms(option: Option) -> float:
+    """An option's GPU time: its time by the GPUs of its group."""
+    scheme, cp, ms, _ = option
+    return ms * cp * scheme.tp
 
 
 def _chosen(options: list[Option], target: float, widen: bool) -> list[Option]:
