@@ -4,6 +4,7 @@ the quick bound and the floor under the replay, and the planner's estimates and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -19,6 +20,7 @@ from passes.plan.movement import (
     ComputeLayout,
     MovementCost,
     _rounds_ms,
+    _rounds_ready,
     llama_compute_layout,
     movement_bytes,
     movement_time,
@@ -30,6 +32,12 @@ from passes.plan.policies import POLICIES, Planner, homogeneous_strategies
 
 def reference_rounds_ms(sends: list[list[int]], gpus_per_node: int, links: Links, elem_bytes: int,
                         chunk: int) -> float:
+    """The last rank's finish of :func:`reference_rounds_ready`."""
+    return max(reference_rounds_ready(sends, gpus_per_node, links, elem_bytes, chunk))
+
+
+def reference_rounds_ready(sends: list[list[int]], gpus_per_node: int, links: Links, elem_bytes: int,
+                           chunk: int) -> list[float]:
     """Round by round, rank by rank: in round d rank r sends sends[r][r+d] to r+d and receives from r-d; a
     message starts when both its ends have finished the round before; a rank's round ends with the later of
     its send and its receive."""
@@ -48,12 +56,12 @@ def reference_rounds_ms(sends: list[list[int]], gpus_per_node: int, links: Links
             finished[r] = max(finished[r], end)
             finished[to] = max(finished[to], end)
         done = finished
-    return max(done)
+    return done
 
 
 def test_the_rounds_are_the_event_by_event_reference():
     rng = random.Random(5)
-    for world, gpn in ((2, 2), (4, 2), (6, 4), (8, 8), (5, 1)):
+    for world, gpn in ((2, 2), (4, 2), (6, 4), (8, 8), (5, 1), (37, 8), (130, 8)):
         links = Links(gpus_per_node=gpn, intra_gbps=rng.uniform(1, 10), inter_gbps=rng.uniform(0.1, 1),
                       latency_us=rng.uniform(0, 100))
         for _ in range(5):
@@ -62,6 +70,12 @@ def test_the_rounds_are_the_event_by_event_reference():
             node = np.arange(world) // gpn
             got = _rounds_ms(np.array(sends, dtype=np.int64), node, links, 2, 1 << 20)
             assert got == pytest.approx(reference_rounds_ms(sends, gpn, links, 2, 1 << 20), rel=1e-12)
+            per_rank = _rounds_ready(np.array(sends, dtype=np.int64), node, links, 2, 1 << 20)
+            assert per_rank.tolist() == pytest.approx(reference_rounds_ready(sends, gpn, links, 2, 1 << 20),
+                                                      rel=1e-12, abs=1e-12)
+            roomy = dataclasses.replace(links, host_gbps=1e9)  # a host link no round fills: the same rounds
+            assert _rounds_ready(np.array(sends, dtype=np.int64), node, roomy, 2, 1 << 20).tolist() == \
+                pytest.approx(per_rank.tolist(), rel=1e-9)
 
 
 def test_two_ranks_by_hand():

@@ -352,28 +352,50 @@ def _rounds_ready(sends: np.ndarray, node: np.ndarray, links: Links, elem_bytes:
     message starts when both ends have finished round d - 1 (an empty one is not sent) and takes a latency
     per chunk plus its bytes over its link; a rank finishes a round with its send and its receive. Per rank,
     when it finishes the last round (ms). The runtime sends a pair's two regions as messages of their own: up
-    to one latency more per pair and round than counted here."""
+    to one latency more per pair and round than counted here.
+
+    Round by round on vectors of the ranks, each held twice over so that "rank r + d" and "rank r - d" are
+    views; the messages' costs a block of rounds at a time, each round's read from ``sends`` as two strided
+    slices: no array of ranks squared is made (at 1024 ranks those temporaries cost more than the rounds)."""
     world = sends.shape[0]
     if world < 2:
         return np.zeros(world)
-    rank = np.arange(world)
-    shift = np.arange(1, world)[:, None]
-    dst = (rank + shift) % world  # [d - 1, r]: whom r sends to in round d
-    src = (rank - shift) % world
-    n = sends[rank, dst]
-    gbps = np.where(node[dst] == node, links.intra_gbps, links.inter_gbps)
-    if links.host_gbps is None:
-        transfer = n * elem_bytes / (gbps * 1e6)
-    else:
-        transfer = np.stack([shared_transfer_ms(n[d] * elem_bytes, gbps[d], links.host_gbps)
-                             for d in range(world - 1)])
-    cost = links.latency_us * 1e-3 * np.ceil(n / chunk_numel) + transfer
-    cost[n == 0] = -np.inf  # no message: the round waits for nothing on that side
-    ready = np.zeros(world)
-    for d in range(world - 1):
-        end = np.maximum(ready, ready[dst[d]]) + cost[d]
-        ready = np.maximum(ready, np.maximum(end, end[src[d]]))
-    return ready
+    flat = np.ascontiguousarray(sends, dtype=np.float64).ravel()  # sends[r, r + d] is flat[r (world + 1) + d]
+    node = np.asarray(node)
+    node2 = np.concatenate([node, node])
+    per_element = (elem_bytes / (links.intra_gbps * 1e6), elem_bytes / (links.inter_gbps * 1e6))
+    ready2, end2 = np.zeros(2 * world), np.empty(2 * world)
+    ready, end = ready2[:world], end2[:world]
+    both = np.empty(world)
+    block = min(world - 1, _ROUNDS_PER_BLOCK)
+    n = np.empty((block, world))
+    for first in range(1, world, block):
+        rounds = range(first, min(world, first + block))
+        k = len(rounds)
+        for j, d in enumerate(rounds):
+            n[j, :world - d] = flat[d:(world - d) * (world + 1):world + 1]  # r + d < world
+            n[j, world - d:] = flat[(world - d) * (world + 1) + d - world::world + 1]  # r + d wraps around
+        same = np.lib.stride_tricks.as_strided(node2[first:], shape=(k, world),
+                                               strides=(node2.strides[0],) * 2) == node  # r and r + d on a node
+        if links.host_gbps is None:
+            transfer = n[:k] * np.where(same, *per_element)
+        else:
+            gbps = np.where(same, links.intra_gbps, links.inter_gbps)
+            transfer = np.stack([shared_transfer_ms(n[j] * elem_bytes, gbps[j], links.host_gbps) for j in range(k)])
+        cost = links.latency_us * 1e-3 * np.ceil(n[:k] / chunk_numel) + transfer
+        cost[n[:k] == 0] = -np.inf  # no message: the round waits for nothing on that side
+        for j, d in enumerate(rounds):
+            np.maximum(ready, ready2[d:d + world], out=end)  # a message starts when its two ends are ready
+            end += cost[j]
+            end2[world:] = end
+            np.maximum(end, end2[world - d:2 * world - d], out=both)  # its send, and its receive from r - d
+            np.maximum(ready, both, out=ready)
+            ready2[world:] = ready
+    return ready.copy()
+
+
+_ROUNDS_PER_BLOCK = 64
+"""Rounds whose messages :func:`_rounds_ready` costs at once (a block of 64 x 1024 ranks is half a MB)."""
 
 
 def shared_transfer_ms(nbytes: np.ndarray, gbps: np.ndarray, host_gbps: float) -> np.ndarray:
