@@ -274,40 +274,40 @@ def _recomputing(plan):
     return dataclasses.replace(plan, strategy=strategy, replicas=groups)
 
 
-def _train_regrouped(rank, world, per_group=False):
-    """Train the two regrouped steps of ``tests/test_regrouped_cp.py``, every slot and group recomputing, or on
-    plain slots recomputing group by group (``per_group``): per step the loss and the full state, the variants
-    built (scheme, recomputing or not), and the rank's p2p operations and collectives."""
+def _train_regrouped(rank, world, per_group=False, name="gpt"):
+    """Train the two regrouped steps of ``tests/test_regrouped_cp.py`` on model ``name``, every slot and group
+    recomputing, or on plain slots recomputing group by group (``per_group``): per step the loss and the full
+    state, the variants built (scheme, recomputing or not), and the rank's p2p operations and collectives."""
     from collective_order import CollectiveRecorder
     from p2p_order import P2PRecorder
     from test_regrouped_cp import BUCKETS, plans
 
-    compiled = hcompile.compile(_model("gpt"), buckets=BUCKETS)
+    compiled = hcompile.compile(_model(name), buckets=BUCKETS)
     trainer = compiled.trainer(loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5},
                                strategies=["4x(tp1)" if per_group else "4x(tp1,rc)"], tokens_per_rank=CAP,
-                               calibrate=False, recompute=per_group)
+                               calibrate=False, recompute=per_group, kv_splits=1 if name == "gpt" else 4)
     steps = [(_per_group if per_group else _recomputing)(p) for p in plans().values()]
     for plan in steps:
         trainer._warm_for(plan)
     out = []
     with P2PRecorder() as p2p, CollectiveRecorder() as coll:
         for plan in steps:
-            stats = trainer.train_plan(plan, _batch(list(plan.seq_lens), _vocab("gpt")))
+            stats = trainer.train_plan(plan, _batch(list(plan.seq_lens), _vocab(name)))
             out.append((stats.loss, trainer.full_state_dict()))
     runs = sorted({(v.key.scheme.describe(), _recomputes(v)) for v in trainer.lowerings._variants.values()})
     return out, runs, p2p.ops, coll.calls
 
 
-def _assert_regrouped_exact(per_rank, steps) -> set:
+def _assert_regrouped_exact(per_rank, steps, name="gpt") -> set:
     """Every rank's p2p and collective orders matched, and per step its loss and every parameter equal to
     single-process SGD on the step's batch; the variants the ranks built."""
     from collective_order import collective_problems
 
     assert p2p_problems([r[2] for r in per_rank]) == []
     assert collective_problems([r[3] for r in per_rank]) == []
-    model = _model("gpt")
+    model = _model(name) if name == "gpt" else _HFLogits(_model(name))
     for step, plan in enumerate(steps):
-        losses, states = reference_sgd(model, [_batch(list(plan.seq_lens), _vocab("gpt"))], 0.5)
+        losses, states = reference_sgd(model, [_batch(list(plan.seq_lens), _vocab(name))], 0.5)
         for out, _, _, _ in per_rank:
             loss, state = out[step]
             assert loss == pytest.approx(losses[0], rel=1e-5), (step, loss, losses[0])
@@ -347,19 +347,25 @@ def _per_group(plan):
     return dataclasses.replace(plan, replicas=tuple(groups))
 
 
-def test_regrouped_steps_choose_recomputation_group_by_group(tmp_path):
+@pytest.mark.parametrize("name", ["gpt", "mistral"])
+def test_regrouped_steps_choose_recomputation_group_by_group(tmp_path, name):
     """The two regrouped steps of ``tests/test_regrouped_cp.py`` on plain slots, recomputation chosen group by
     group as the planner plans it where a document needs it: a recomputing CP group of 4 then a plain and a
     recomputing CP group of 2 in one step, and a slot running a recomputing group of one slot and then its plain
-    micro-batches with the same parameter slice. Loss and every parameter equal to single-process SGD, the p2p
-    and collective orders matched on every rank."""
+    micro-batches with the same parameter slice. GPT, and unmodified HF Mistral with a sliding window shorter
+    than every CP chunk of the longest documents (the window crosses chunk and rank boundaries inside the
+    recomputed groups). Loss and every parameter equal to single-process SGD, the p2p and collective orders
+    matched on every rank."""
     from test_regrouped_cp import plans
 
     steps = [_per_group(p) for p in plans().values()]
+    if name == "mistral":
+        window = _model(name).config.sliding_window
+        assert 1 < window < min(max(p.seq_lens) // 4 for p in steps), window
     assert all(p.slot_problem() is None for p in steps)
     assert {(g.scheme.describe(), len(g.ranks)) for p in steps for g in p.replicas} >= {
         ("(tp1,pp1,cp4,rc)", 4), ("(tp1,pp1,cp2,rc)", 2), ("(tp1,pp1,cp2)", 2), ("(tp1,pp1,rc)", 1), ("(tp1,pp1)", 1)}
-    per_rank = run_ranks(4, tmp_path, _train_regrouped, True, timeout_s=400)
-    runs = _assert_regrouped_exact(per_rank, steps)
+    per_rank = run_ranks(4, tmp_path, _train_regrouped, True, name, timeout_s=400)
+    runs = _assert_regrouped_exact(per_rank, steps, name)
     assert {("(tp1,pp1,cp4,rc)", True), ("(tp1,pp1,cp2,rc)", True), ("(tp1,pp1,cp2)", False),
             ("(tp1,pp1,rc)", True), ("(tp1,pp1)", False)} <= runs, runs
