@@ -272,7 +272,10 @@ class Planner:
             layouts.append(base)  # the homogeneous layout dynamic-cp regroups on, where one was chosen
         memo: dict = {}
         schedules = []
+        longest = max(seq_lens)
         for layout, (widen, thrifty) in ((layout, variant) for layout in layouts for variant in VARIANTS):
+            if (widen or thrifty) and longest <= max(self.cost_model.max_tokens(s) for s in layout.schemes):
+                continue  # no CP group on this layout: every variant is the same schedule
             try:
                 schedules.append(regrouped_schedule(self.cost_model, layout, seq_lens, widen, memo, thrifty))
             except PlanError:
