@@ -25,8 +25,20 @@ def _slowdowns(rank, world):
     return overlap_slowdown(_sleeping, 3, "cpu"), overlap_slowdown(_busy, 3, "cpu")
 
 
+ATTEMPTS = 3
+"""Probes tried before the test fails: a timing on 2 shared cores is sometimes taken while other work runs (one CI
+run measured 0.35 for the busy transfers, against 0.8-1.1 on a quiet machine); noise only narrows the gap
+between the two kinds of transfers, so one clean probe that shows it is the evidence."""
+
+
+def _separated(probes: list[tuple[float, float]]) -> bool:
+    return all(idle < 0.3 and busy > 0.5 and busy > idle + 0.3 for idle, busy in probes)
+
+
 def test_the_slowdown_is_what_transfers_take_from_the_compute(tmp_path):
-    for idle, busy in run_ranks(2, tmp_path, _slowdowns, timeout_s=240):
-        assert idle < 0.3, idle
-        assert busy > 0.5, busy
-        assert busy > idle + 0.3
+    tries = []
+    for _ in range(ATTEMPTS):
+        tries.append(run_ranks(2, tmp_path, _slowdowns, timeout_s=240))
+        if _separated(tries[-1]):
+            break
+    assert _separated(tries[-1]), f"(idle, busy) slowdowns per rank, per try: {tries}"
