@@ -98,3 +98,38 @@ def test_a_stage_cut_into_pieces_computes_what_the_whole_stage_does(scheme):
         for n in grads[0]:
             torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
         boundary = tuple(t.detach() for t in want)
+
+
+@pytest.mark.parametrize("model_name, scheme, rank", [("gpt", ParallelScheme(cp=2), 1),
+                                                      ("llama", ParallelScheme(tp=2, cp=2), 0),
+                                                      ("llama", ParallelScheme(cp=4, pp=2), 3)])
+def test_lowered_vals_equal_a_full_propagation_and_no_rewrite_propagates_the_whole_graph(model_name, scheme, rank,
+                                                                                       monkeypatch):
+    """The packed-attention and context-parallel rewrites keep the shape of every value they replace, so they give
+    vals only to the nodes they add or change (``fill_vals``); every node of every lowered stage still carries the
+    val a full propagation of the lowered graph gives."""
+    import passes.graph.context_parallel as context_parallel
+    import passes.graph.packed_attention as packed
+    from passes.graph.pass_runner import propagate_vals, same_val
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a rewrite propagated the whole graph again")
+
+    model = GPT(GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=256)) if model_name == "gpt" else \
+        Llama(LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64))
+    cache = hcompile.compile(init_weights_(model), buckets=TokenBuckets(sizes=(16, 32))).lowerings(
+        cost_tokens=lambda s: 32 * s.cp)
+    monkeypatch.setattr(packed, "propagate_vals", refused)
+    monkeypatch.setattr(context_parallel, "propagate_vals", refused)
+    for stage in range(scheme.pp):
+        for bucket in (16, 32):
+            variant = cache.variant(scheme, stage, bucket, tp_rank=0, tp_group="tp" if scheme.tp > 1 else None,
+                                    cp_rank=rank, cp_group="cp")
+            gm = variant.graph_module
+            # a pipeline stage's output has no val: the cut (torch.fx split_module) gives it none
+            filled = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.op != "output" or scheme.pp == 1}
+            assert all(v is not None for v in filled.values())
+            propagate_vals(gm)
+            for node in gm.graph.nodes:
+                if node.name in filled:
+                    assert same_val(filled[node.name], node.meta.get("val")), (stage, bucket, node.format_node())

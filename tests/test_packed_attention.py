@@ -9,7 +9,7 @@ from torch import fx, nn
 
 import codegen
 import hcompile
-from hcompile.models import GPT, Llama, init_weights_
+from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
 from passes.graph.packed_attention import packed_positions, rewrite_packed_attention_pass
 from passes.graph.pass_runner import PassContext, PassError, propagate_vals, run_passes
 from passes.graph.variant import TokenBuckets
@@ -190,3 +190,44 @@ def test_a_mask_read_from_the_inputs_is_a_named_error():
     gm = hcompile.capture(_InputMask(), torch.randn(1, 6, 32)).graph_module
     with pytest.raises(PassError, match="not built from positions alone .*graph input"):
         rewrite_packed_attention_pass(gm, PassContext())
+
+
+def _counted_positions(x):  # positions as a cumulative count of ones (1..T), as OPT builds them
+    pos = torch.cumsum(torch.ones(1, x.shape[1], dtype=torch.long), dim=1) - 1
+    q = (x + pos[..., None]).view(1, x.shape[1], 2, 16).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+class _Counted(nn.Module):
+    def forward(self, x):
+        return _counted_positions(x)
+
+
+@pytest.mark.parametrize("build", ["gpt", "llama", "window", "counted"])
+def test_the_rewrite_gives_vals_to_its_new_nodes_alone_and_they_equal_a_full_propagation(build, monkeypatch):
+    """The rewrite keeps every value it replaces (attention outputs, positions) in shape, dtype and strides, so it
+    gives vals only to the nodes it adds (``fill_vals``) and never propagates the whole graph again; every
+    node's val, the output's included, equals what a full propagation of the rewritten graph gives."""
+    import passes.graph.packed_attention as packed
+    from passes.graph.pass_runner import same_val
+
+    if build in ("gpt", "llama"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(layers=2, heads=4, hidden=32, vocab=64, block_size=64)) if build == "gpt" else \
+            Llama(LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64))
+        gm = hcompile.capture(model, torch.zeros(1, 24, dtype=torch.long)).graph_module
+    else:
+        model = _MaskedAttention(4) if build == "window" else _Counted()
+        gm = hcompile.capture(model, torch.randn(1, 24, 32)).graph_module
+
+    def whole_graph(*args, **kwargs):
+        raise AssertionError("the rewrite propagated the whole graph again")
+
+    monkeypatch.setattr(packed, "propagate_vals", whole_graph)
+    out, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+    assert records[0].modified and (build != "counted" or records[0].info["positions"] == 1)
+    filled = {n.name: n.meta.get("val") for n in out.graph.nodes}
+    assert all(v is not None for n, v in filled.items() if n != "output") and filled["output"] is not None
+    propagate_vals(out)
+    for node in out.graph.nodes:
+        assert same_val(filled[node.name], node.meta.get("val")), node.format_node()

@@ -6,7 +6,15 @@ import pytest
 import torch
 from torch import fx, nn
 
-from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals, run_passes
+from passes.graph.pass_runner import (
+    PassContext,
+    PassError,
+    PassResult,
+    fill_vals,
+    propagate_vals,
+    run_passes,
+    same_val,
+)
 from passes.plan.ir import ParallelScheme
 
 
@@ -84,3 +92,32 @@ def test_propagate_vals_sets_fake_shapes():
     propagate_vals(gm, [torch.randn(3, 4)])
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert tuple(out.meta["val"].shape) == (3, 6)
+
+
+def test_fill_vals_runs_only_the_nodes_without_one_and_falls_back_to_a_full_propagation():
+    gm = _graph()
+    propagate_vals(gm, [torch.randn(3, 4)])
+    kept = {n.name: n.meta["val"] for n in gm.graph.nodes}
+    g = gm.graph
+    last = next(n for n in g.nodes if n.target is operator.add)
+    with g.inserting_after(next(n for n in g.nodes if n.op == "placeholder")):
+        y = g.placeholder("y")
+    with g.inserting_after(last):
+        z = g.call_function(torch.matmul, (last, y))
+    next(n for n in g.nodes if n.op == "output").args = (z,)
+    del next(n for n in g.nodes if n.op == "output").meta["val"]
+    fill_vals(gm, {y: torch.randn(4, 5)})
+    assert all(n.meta["val"] is kept[n.name] for n in g.nodes if n.name in kept and n.op != "output")
+    assert tuple(z.meta["val"].shape) == (3, 5) and tuple(y.meta["val"].shape) == (4, 5)
+    assert same_val(next(n for n in g.nodes if n.op == "output").meta["val"], z.meta["val"])
+    bare = _graph()  # no vals at all: no mode to run in, so every node is propagated from the inputs given
+    fill_vals(bare, {next(n for n in bare.graph.nodes if n.op == "placeholder"): torch.randn(2, 2)})
+    assert all(tuple(n.meta["val"].shape) == (2, 2) for n in bare.graph.nodes if n.op == "call_function")
+
+
+def test_same_val_ignores_the_stride_of_a_dim_of_one_only():
+    a = torch.empty(1, 4, 3)
+    assert same_val(a, torch.empty_strided((1, 4, 3), (99, 3, 1)))
+    assert not same_val(a, torch.empty(1, 3, 4).transpose(1, 2))
+    assert not same_val(a, a.double()) and not same_val(a, None) and not same_val(None, None)
+    assert same_val((a, 3), (a, 3)) and not same_val((a, 3), (a, 4))

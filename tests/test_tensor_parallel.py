@@ -261,6 +261,38 @@ def test_rewrite_golden_graph_on_a_hand_built_graph(tmp_path):
     assert tuple(out.get_parameter("qkv").shape) == (12, 8)
 
 
+@pytest.mark.parametrize("name, tp, vocab_parallel", [("gpt", 2, False), ("llama", 2, True), ("llama", 4, False)])
+def test_the_rewrite_keeps_whole_values_vals_and_gives_the_rest_theirs_as_a_full_propagation(name, tp, vocab_parallel,
+                                                                                              monkeypatch):
+    """Values that stay whole keep the capture's vals; split and new nodes get theirs from their inputs
+    (``fill_vals``), never by propagating the whole graph again; on every rank each node's val, the output's
+    included, equals what a full propagation of the rewritten graph gives."""
+    import passes.graph.pass_runner as runner
+    from passes.graph.pass_runner import same_val
+
+    model, _, ids, _ = _case(name)
+    gm = capture(model, ids[:1]).graph_module
+    propagate_vals(gm, [ids[:1]])
+    whole = runner.propagate_vals
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the rewrite propagated the whole graph again")
+
+    for rank in range(tp):
+        ctx = PassContext(scheme=ParallelScheme(tp=tp), tp_rank=rank, tp_group="g",
+                          options={"shard_tensor_parallel_pass.vocab_parallel": vocab_parallel})
+        monkeypatch.setattr(runner, "propagate_vals", refused)
+        out = shard_tensor_parallel_pass(gm, ctx).graph_module
+        monkeypatch.setattr(runner, "propagate_vals", whole)
+        captured = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.op != "placeholder"}
+        assert sum(n.meta.get("val") is captured.get(n.name) for n in out.graph.nodes) >= 5
+        filled = {n.name: n.meta.get("val") for n in out.graph.nodes}
+        assert all(v is not None for v in filled.values())
+        propagate_vals(out)
+        for node in out.graph.nodes:
+            assert same_val(filled[node.name], node.meta.get("val")), (rank, node.format_node())
+
+
 def test_tp1_and_already_sharded_graphs_are_returned_unchanged():
     gm = _hand_built()
     assert shard_tensor_parallel_pass(gm, PassContext()).graph_module is gm

@@ -38,7 +38,7 @@ from passes.graph.collectives import CP_ALL_GATHER
 from passes.graph.kv_exchange import KV_SPLITS, cp_pipelined_attention
 from passes.graph.kv_exchange import kv_splits as kv_splits_for
 from passes.graph.packed_attention import packed_positions
-from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals, same_val
 
 __all__ = ["CpPiece", "CpLayout", "CpAttentionInputs", "CpShare", "cp_layout", "cp_attention", "cp_packed_attention",
            "whole_sequence_positions", "CP_INPUTS", "rewrite_context_parallel_pass"]
@@ -340,7 +340,9 @@ def rewrite_context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
         positions = graph.placeholder(CP_INPUTS[0], type_expr=torch.Tensor)
     if (positions.name, key_rows.name, cu_k.name) != CP_INPUTS:
         raise PassError(f"context parallel: the graph already has nodes named like the inputs {CP_INPUTS}")
+    replaced = []  # (the val a node had, the node computing it anew)
     for node in attention:
+        replaced.append((node.meta.pop("val", None), node))
         q, k, v, cu, max_seqlen = node.args[:5]
         kwargs = {key: value for key, value in node.kwargs.items() if key != "validate"}
         node.target = cp_packed_attention
@@ -349,13 +351,17 @@ def rewrite_context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     swapped = 0
     for node in graph.nodes:
         if node.op == "call_function" and node.target is packed_positions:
+            replaced.append((node.meta.pop("val", None), node))
             node.target, node.args = whole_sequence_positions, (positions,)
             node.kwargs = {"dtype": node.kwargs.get("dtype", torch.long)}
             swapped += 1
     graph.lint()
     gm.recompile()
-    example = [n.meta.get("val") for n in placeholders]
-    propagate_vals(gm, example + [torch.zeros(total, dtype=torch.long), torch.arange(total),
-                                  torch.tensor([0, total], dtype=torch.int32)])
+    added = {positions: torch.zeros(total, dtype=torch.long), key_rows: torch.arange(total),
+             cu_k: torch.tensor([0, total], dtype=torch.int32)}
+    fill_vals(gm, added)  # the rewritten nodes anew; the rest keep theirs where those kept shape, dtype, strides
+    if not all(same_val(old, node.meta.get("val")) for old, node in replaced):
+        propagate_vals(gm, [n.meta.get("val") if n not in added else added[n] for n in graph.nodes
+                            if n.op == "placeholder"])
     return PassResult(graph_module=gm, modified=True,
                       info={"attention_sites": len(attention), "positions": swapped, "cp": cp})

@@ -44,7 +44,7 @@ from passes.graph.attention_masks import (
     where,
 )
 from passes.graph.eager_attention import unrecognised_softmaxes
-from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals, same_val
 
 __all__ = ["rewrite_packed_attention_pass", "packed_positions", "find_position_aranges"]
 
@@ -114,8 +114,10 @@ def _counted_ones(node: fx.Node, total: int) -> bool:
     return shape in ((1, total), (total,)) and dim is not None and dim % len(shape) == len(shape) - 1
 
 
-def _rewrite_counted_positions(graph: fx.Graph, cu_seqlens: fx.Node, total: int) -> int:
-    """Positions counted by a cumulative sum of ones (1..T) restart at every packed sequence too."""
+def _rewrite_counted_positions(graph: fx.Graph, cu_seqlens: fx.Node, total: int,
+                               replaced: list[tuple[Any, fx.Node]]) -> int:
+    """Positions counted by a cumulative sum of ones (1..T) restart at every packed sequence too (each
+    replaced value and its new node appended to ``replaced``)."""
     counted = [n for n in graph.nodes if _counted_ones(n, total)]
     for node in counted:
         ones = node.args[0]
@@ -125,6 +127,7 @@ def _rewrite_counted_positions(graph: fx.Graph, cu_seqlens: fx.Node, total: int)
             one_based = graph.call_function(operator.add, (pos, 1))
             shaped = graph.call_method("view", (one_based, *_val(node).shape)) if _val(node) is not None else \
                 one_based
+        replaced.append((node.meta.get("val"), shaped))
         node.replace_all_uses_with(shaped)
         graph.erase_node(node)
     return len(counted)
@@ -170,7 +173,7 @@ def _to_packed(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 
 def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqlen: fx.Node, kernel: str,
-                  limits: MaskLimits) -> None:
+                  limits: MaskLimits) -> fx.Node:
     q, k, v = node.args[:3]
     scale = sdpa_arg(node, "scale")
     softcap = node.kwargs.get("softcap") or None  # codegen.reference.extended_attention's cap
@@ -185,6 +188,7 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cu_seqlens: fx.Node, max_seqle
     out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     node.replace_all_uses_with(out4)
     graph.erase_node(node)
+    return out4
 
 
 def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -216,23 +220,29 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
         max_seqlen = graph.placeholder("max_seqlen", type_expr=int)
     with graph.inserting_after(placeholders[-1]):
         cu_seqlens = graph.placeholder("cu_seqlens", type_expr=torch.Tensor)
+    replaced = []  # (the value a rewrite replaced, the node that now gives it)
     for node in sdpa:
-        _rewrite_sdpa(graph, node, cu_seqlens, max_seqlen, ctx.option("rewrite_packed_attention_pass.kernel", "auto"),
-                      limits[node])
+        replaced.append((node.meta.get("val"), _rewrite_sdpa(
+            graph, node, cu_seqlens, max_seqlen, ctx.option("rewrite_packed_attention_pass.kernel", "auto"),
+            limits[node])))
     graph.eliminate_dead_code()  # the masks the attention no longer reads
     aranges = [n for n in find_position_aranges(gm, total) if n not in indexing]
     for node in aranges:
         dtype = node.kwargs.get("dtype") or torch.long
         with graph.inserting_before(node):
             pos = graph.call_function(packed_positions, (cu_seqlens, total), {"dtype": dtype})
+        replaced.append((node.meta.get("val"), pos))
         node.replace_all_uses_with(pos)
         graph.erase_node(node)
-    counted = _rewrite_counted_positions(graph, cu_seqlens, total)
+    counted = _rewrite_counted_positions(graph, cu_seqlens, total, replaced)
     graph.eliminate_dead_code()
     _check_no_position_reductions(graph, total)
     graph.lint()
     gm.recompile()
-    inputs = [n.meta.get("val") for n in placeholders]
-    propagate_vals(gm, inputs + [torch.tensor([0, total], dtype=torch.int32, device=device), total])
+    new_inputs = {cu_seqlens: torch.tensor([0, total], dtype=torch.int32, device=device), max_seqlen: total}
+    fill_vals(gm, new_inputs)  # vals for the new nodes only: the rest keep theirs where every replaced value
+    if not all(same_val(old, new.meta.get("val")) for old, new in replaced):  # kept its shape, dtype, strides
+        propagate_vals(gm, [n.meta.get("val") if n not in new_inputs else new_inputs[n] for n in graph.nodes
+                            if n.op == "placeholder"])
     return PassResult(graph_module=gm, modified=True,
                       info={"attention_sites": len(sdpa), "positions": len(aranges) + counted, "tokens": total})

@@ -6,7 +6,9 @@ itself: :func:`run_passes` does that, lints each result, refuses a pass that cla
 returns a different module, and records one :class:`PassRecord` per pass.
 
 Also owns :func:`propagate_vals`, which refreshes every node's ``meta["val"]`` (a fake tensor) after a
-rewrite, so later passes and the analysis always see the shapes of the graph as it now is.
+rewrite, so later passes and the analysis always see the shapes of the graph as it now is; and
+:func:`fill_vals`, which gives a val only to the nodes a rewrite added, for rewrites that leave every other
+node's value as it was (most of a lowering's time on a small model went to propagating whole graphs again).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.plan.ir import ParallelScheme
 
 __all__ = ["PassContext", "PassResult", "PassRecord", "PassError", "GraphPass", "run_passes", "propagate_vals",
-           "folded_result"]
+           "fill_vals", "same_val", "folded_result"]
 
 _PASS_NAME = re.compile(r"[a-z]+_[a-z0-9_]+_pass")
 
@@ -163,3 +166,79 @@ def propagate_vals(gm: fx.GraphModule, inputs: Sequence[Any] | None = None) -> f
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[_to_fake(x, mode) for x in inputs])
     return gm
+
+
+def fill_vals(gm: fx.GraphModule, new_inputs: Mapping[fx.Node, Any]) -> fx.GraphModule:
+    """Give ``meta["val"]`` to every node of ``gm`` without one, in graph order, from its inputs' vals, in the
+    fake mode the graph's vals already share; the placeholders a rewrite added take theirs from ``new_inputs``
+    (real tensors or Python numbers). Nodes that have a val keep it: for a rewrite that replaces values by new
+    nodes of the same shape, dtype and strides (the tests of the packed-attention, tensor-parallel and
+    context-parallel rewrites check every val they leave against :func:`propagate_vals`). Where the vals come from no fake mode or from several, or a placeholder's
+    val is missing, or a node cannot run in that mode, every node is propagated again (:func:`propagate_vals`), as
+    it would be without it."""
+    nodes = list(gm.graph.nodes)
+    modes = {id(v.fake_mode): v.fake_mode for n in nodes for v in _tensors(n.meta.get("val"))}
+    inputs = [n.meta["val"] if "val" in n.meta else new_inputs.get(n) for n in nodes if n.op == "placeholder"]
+    if len(modes) != 1 or any(x is None for x in inputs):
+        return propagate_vals(gm, inputs)
+    try:
+        _FillVals(gm, next(iter(modes.values())), new_inputs).run_all()
+    except Exception:  # a node its mode cannot run: as without the shortcut
+        return propagate_vals(gm, inputs)
+    return gm
+
+
+def same_val(a: Any, b: Any) -> bool:
+    """Whether two vals describe the same values to every node that reads them: tensors of one shape, dtype and
+    device, with the same strides on every dim longer than 1 (a dim of 1 is never stepped along), numbers equal,
+    sequences element by element."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n != 1))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_val(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a is not None and a == b
+
+
+def _tensors(val: Any) -> list[FakeTensor]:
+    if isinstance(val, FakeTensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+class _FillVals(fx.Interpreter):
+    """Runs only the nodes without a val (:func:`fill_vals`), as FakeTensorProp runs them."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, new_inputs: Mapping[fx.Node, Any]):
+        super().__init__(gm)
+        self.mode, self.new_inputs = mode, new_inputs
+
+    def run_all(self) -> None:
+        with self.mode:
+            for node in self.graph.nodes:
+                self.env[node] = self.run_node(node)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if "val" in n.meta:
+            return n.meta["val"]
+        if n.op == "placeholder":
+            result = _to_fake(self.new_inputs[n], self.mode)
+        else:
+            result = super().run_node(n)
+            if n.op == "get_attr" and isinstance(result, torch.Tensor) and not isinstance(result, FakeTensor):
+                result = self.mode.from_tensor(result, static_shapes=True)
+        val = fx.node.map_aggregate(result, self._snapshot)
+        if val is not None:
+            n.meta["val"] = val
+        return result
+
+    def _snapshot(self, obj: Any) -> Any:
+        if isinstance(obj, FakeTensor):
+            return snapshot_fake(obj)
+        if isinstance(obj, torch.Tensor):
+            return snapshot_fake(self.mode.from_tensor(obj, static_shapes=True))
+        return obj if isinstance(obj, (int, float, bool)) else None

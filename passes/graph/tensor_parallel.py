@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from passes.graph.analyze import OpClass, attention_sites, classify_node
 from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
-from passes.graph.pass_runner import PassContext, PassError, PassResult, propagate_vals
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals
 from passes.graph.sharding import Shard, block_index, propagate_node, where
 
 __all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "check_plan_fits", "split_dims",
@@ -483,8 +483,7 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             self.env[node] = self.visit(node)
         out = fx.GraphModule(self.root, self.graph, class_name=f"TP{self.plan.tp}Rank{self.plan.rank}Module")
-        inputs = [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"]
-        return propagate_vals(out, inputs)
+        return fill_vals(out, {})  # vals for what is split or new; what stays whole kept its own
 
     def visit(self, node: fx.Node) -> fx.Node:
         if node.op == "placeholder":
@@ -509,6 +508,9 @@ class _Rewriter:
         prop = propagate_node(node, self.specs, node.args, lambda n: self.plan.local_chunks(_view_source(n).name))
         self.specs[node] = prop.spec
         new = self.new(node.op, node.target, prop.args, prop.kwargs, like=node)
+        if (prop.spec is None and not prop.reduce and not prop.narrow and "val" in node.meta
+                and all(self.specs.get(a) is None for a in node.all_input_nodes)):
+            new.meta["val"] = node.meta["val"]  # whole inputs, a whole result: the value the capture computed
         if prop.spec is not None or prop.reduce:
             self.reduce_replicated_grads(node, new)
         for operand, dim, frac in prop.narrow:
