@@ -173,9 +173,9 @@ def fill_vals(gm: fx.GraphModule, new_inputs: Mapping[fx.Node, Any]) -> fx.Graph
     fake mode the graph's vals already share; the placeholders a rewrite added take theirs from ``new_inputs``
     (real tensors or Python numbers). Nodes that have a val keep it: for a rewrite that replaces values by new
     nodes of the same shape, dtype and strides (the tests of the packed-attention, tensor-parallel and
-    context-parallel rewrites check every val they leave against :func:`propagate_vals`). Where the vals come from no fake mode or from several, or a placeholder's
-    val is missing, or a node cannot run in that mode, every node is propagated again (:func:`propagate_vals`), as
-    it would be without it."""
+    context-parallel rewrites check every val they leave against :func:`propagate_vals`). Where the vals come
+    from no fake mode or from several, or a placeholder's val is missing, or a node cannot run in that mode,
+    every node is propagated again (:func:`propagate_vals`), as it would be without it."""
     nodes = list(gm.graph.nodes)
     modes = {id(v.fake_mode): v.fake_mode for n in nodes for v in _tensors(n.meta.get("val"))}
     inputs = [n.meta["val"] if "val" in n.meta else new_inputs.get(n) for n in nodes if n.op == "placeholder"]
