@@ -231,3 +231,25 @@ def test_the_rewrite_gives_vals_to_its_new_nodes_alone_and_they_equal_a_full_pro
     propagate_vals(out)
     for node in out.graph.nodes:
         assert same_val(filled[node.name], node.meta.get("val")), node.format_node()
+
+
+def test_a_replaced_value_of_other_strides_makes_the_rewrite_propagate_the_whole_graph(monkeypatch):
+    """Gemma 2's attention (a score cap, written out by hand) ends in a value whose strides differ from those of
+    the packed attention's output, so the nodes after it would keep stale strides: the rewrite notices and
+    propagates the whole graph, and every val equals a full propagation's."""
+    pytest.importorskip("transformers")
+    import passes.graph.packed_attention as packed
+    from benchmarks.hf_families import make_model
+    from passes.graph.normalize import canonical_graph
+    from passes.graph.pass_runner import same_val
+
+    calls = []
+    whole = packed.propagate_vals
+    monkeypatch.setattr(packed, "propagate_vals", lambda *a, **k: calls.append(1) or whole(*a, **k))
+    gm = canonical_graph(hcompile.capture(make_model("gemma2"), torch.zeros(1, 16, dtype=torch.long)).graph_module)
+    out, _ = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
+    assert calls == [1]
+    filled = {n.name: n.meta.get("val") for n in out.graph.nodes}
+    propagate_vals(out)
+    for node in out.graph.nodes:
+        assert same_val(filled[node.name], node.meta.get("val")), node.format_node()
