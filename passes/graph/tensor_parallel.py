@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from passes.graph.analyze import OpClass, attention_sites, classify_node
 from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
-from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals, same_val
 from passes.graph.sharding import Shard, block_index, propagate_node, where
 
 __all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "check_plan_fits", "split_dims",
@@ -468,6 +468,8 @@ class _Rewriter:
         self.copies: dict[fx.Node, fx.Node] = {}
         """Per replicated value: its ``tp_copy`` (forward identity, gradient summed over the group)."""
         self.sharded_params: set[fx.Node] = set()
+        self.carried: list[tuple[fx.Node, fx.Node]] = []
+        """(captured node, its copy) of the values that stay whole, the copy keeping the capture's val."""
         self.grad_flow: dict[fx.Node, bool] = {}
 
     def new(self, op: str, target: Any, args: tuple, kwargs: dict | None = None,
@@ -483,7 +485,19 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             self.env[node] = self.visit(node)
         out = fx.GraphModule(self.root, self.graph, class_name=f"TP{self.plan.tp}Rank{self.plan.rank}Module")
-        return fill_vals(out, {})  # vals for what is split or new; what stays whole kept its own
+        fill_vals(out, {})  # vals for what is split or new; what stays whole kept its own, right where its inputs'
+        if self._carried_vals_hold():  # vals are the capture's (the same op on inputs of the same vals)
+            return out
+        return propagate_vals(out, [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"])
+
+    def _carried_vals_hold(self) -> bool:
+        """Whether every copy that kept the capture's val reads inputs whose vals are its original's inputs'."""
+        for node, new in self.carried:
+            before, after = node.all_input_nodes, new.all_input_nodes
+            if len(before) != len(after) or not all(same_val(a.meta.get("val"), b.meta.get("val"))
+                                                    for a, b in zip(before, after)):
+                return False
+        return True
 
     def visit(self, node: fx.Node) -> fx.Node:
         if node.op == "placeholder":
@@ -509,8 +523,10 @@ class _Rewriter:
         self.specs[node] = prop.spec
         new = self.new(node.op, node.target, prop.args, prop.kwargs, like=node)
         if (prop.spec is None and not prop.reduce and not prop.narrow and "val" in node.meta
+                and tuple(prop.args) == tuple(node.args) and dict(prop.kwargs) == dict(node.kwargs)
                 and all(self.specs.get(a) is None for a in node.all_input_nodes)):
             new.meta["val"] = node.meta["val"]  # whole inputs, a whole result: the value the capture computed
+            self.carried.append((node, new))
         if prop.spec is not None or prop.reduce:
             self.reduce_replicated_grads(node, new)
         for operand, dim, frac in prop.narrow:
