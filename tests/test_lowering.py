@@ -108,8 +108,7 @@ def test_lowered_vals_equal_a_full_propagation_and_no_rewrite_propagates_the_who
     """The packed-attention and context-parallel rewrites keep the shape of every value they replace, so they give
     vals only to the nodes they add or change (``fill_vals``); every node of every lowered stage still carries the
     val a full propagation of the lowered graph gives."""
-    import passes.graph.context_parallel as context_parallel
-    import passes.graph.packed_attention as packed
+    import passes.graph.pass_runner as runner
     from passes.graph.pass_runner import propagate_vals, same_val
 
     def refused(*args, **kwargs):
@@ -119,8 +118,7 @@ def test_lowered_vals_equal_a_full_propagation_and_no_rewrite_propagates_the_who
         Llama(LlamaConfig(layers=2, heads=4, kv_heads=2, hidden=32, ffn_hidden=64, vocab=64))
     cache = hcompile.compile(init_weights_(model), buckets=TokenBuckets(sizes=(16, 32))).lowerings(
         cost_tokens=lambda s: 32 * s.cp)
-    monkeypatch.setattr(packed, "propagate_vals", refused)
-    monkeypatch.setattr(context_parallel, "propagate_vals", refused)
+    monkeypatch.setattr(runner, "propagate_vals", refused)
     for stage in range(scheme.pp):
         for bucket in (16, 32):
             variant = cache.variant(scheme, stage, bucket, tp_rank=0, tp_group="tp" if scheme.tp > 1 else None,

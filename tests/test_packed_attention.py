@@ -208,7 +208,7 @@ def test_the_rewrite_gives_vals_to_its_new_nodes_alone_and_they_equal_a_full_pro
     """The rewrite keeps every value it replaces (attention outputs, positions) in shape, dtype and strides, so it
     gives vals only to the nodes it adds (``fill_vals``) and never propagates the whole graph again; every
     node's val, the output's included, equals what a full propagation of the rewritten graph gives."""
-    import passes.graph.packed_attention as packed
+    import passes.graph.pass_runner as runner
     from passes.graph.pass_runner import same_val
 
     if build in ("gpt", "llama"):
@@ -223,7 +223,7 @@ def test_the_rewrite_gives_vals_to_its_new_nodes_alone_and_they_equal_a_full_pro
     def whole_graph(*args, **kwargs):
         raise AssertionError("the rewrite propagated the whole graph again")
 
-    monkeypatch.setattr(packed, "propagate_vals", whole_graph)
+    monkeypatch.setattr(runner, "propagate_vals", whole_graph)
     out, records = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
     assert records[0].modified and (build != "counted" or records[0].info["positions"] == 1)
     filled = {n.name: n.meta.get("val") for n in out.graph.nodes}
@@ -238,14 +238,14 @@ def test_a_replaced_value_of_other_strides_makes_the_rewrite_propagate_the_whole
     the packed attention's output, so the nodes after it would keep stale strides: the rewrite notices and
     propagates the whole graph, and every val equals a full propagation's."""
     pytest.importorskip("transformers")
-    import passes.graph.packed_attention as packed
+    import passes.graph.pass_runner as runner
     from benchmarks.hf_families import make_model
     from passes.graph.normalize import canonical_graph
     from passes.graph.pass_runner import same_val
 
     calls = []
-    whole = packed.propagate_vals
-    monkeypatch.setattr(packed, "propagate_vals", lambda *a, **k: calls.append(1) or whole(*a, **k))
+    whole = runner.propagate_vals
+    monkeypatch.setattr(runner, "propagate_vals", lambda *a, **k: calls.append(1) or whole(*a, **k))
     gm = canonical_graph(hcompile.capture(make_model("gemma2"), torch.zeros(1, 16, dtype=torch.long)).graph_module)
     out, _ = run_passes(gm, [rewrite_packed_attention_pass], PassContext())
     assert calls == [1]

@@ -38,7 +38,7 @@ from passes.graph.collectives import CP_ALL_GATHER
 from passes.graph.kv_exchange import KV_SPLITS, cp_pipelined_attention
 from passes.graph.kv_exchange import kv_splits as kv_splits_for
 from passes.graph.packed_attention import packed_positions
-from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals, same_val
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals
 
 __all__ = ["CpPiece", "CpLayout", "CpAttentionInputs", "CpShare", "cp_layout", "cp_attention", "cp_packed_attention",
            "whole_sequence_positions", "CP_INPUTS", "rewrite_context_parallel_pass"]
@@ -357,11 +357,8 @@ def rewrite_context_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
             swapped += 1
     graph.lint()
     gm.recompile()
-    added = {positions: torch.zeros(total, dtype=torch.long), key_rows: torch.arange(total),
-             cu_k: torch.tensor([0, total], dtype=torch.int32)}
-    fill_vals(gm, added)  # the rewritten nodes anew; the rest keep theirs where those kept shape, dtype, strides
-    if not all(same_val(old, node.meta.get("val")) for old, node in replaced):
-        propagate_vals(gm, [n.meta.get("val") if n not in added else added[n] for n in graph.nodes
-                            if n.op == "placeholder"])
+    # the rewritten nodes anew; the rest keep theirs where those kept shape, dtype, strides
+    fill_vals(gm, {positions: torch.zeros(total, dtype=torch.long), key_rows: torch.arange(total),
+                   cu_k: torch.tensor([0, total], dtype=torch.int32)}, replaced)
     return PassResult(graph_module=gm, modified=True,
                       info={"attention_sites": len(attention), "positions": swapped, "cp": cp})

@@ -44,7 +44,7 @@ from passes.graph.attention_masks import (
     where,
 )
 from passes.graph.eager_attention import unrecognised_softmaxes
-from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals, same_val
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals
 
 __all__ = ["rewrite_packed_attention_pass", "packed_positions", "find_position_aranges"]
 
@@ -239,10 +239,8 @@ def rewrite_packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> PassR
     _check_no_position_reductions(graph, total)
     graph.lint()
     gm.recompile()
-    new_inputs = {cu_seqlens: torch.tensor([0, total], dtype=torch.int32, device=device), max_seqlen: total}
-    fill_vals(gm, new_inputs)  # vals for the new nodes only: the rest keep theirs where every replaced value
-    if not all(same_val(old, new.meta.get("val")) for old, new in replaced):  # kept its shape, dtype, strides
-        propagate_vals(gm, [n.meta.get("val") if n not in new_inputs else new_inputs[n] for n in graph.nodes
-                            if n.op == "placeholder"])
+    # vals for the new nodes only: the rest keep theirs where every replaced value kept its shape, dtype, strides
+    fill_vals(gm, {cu_seqlens: torch.tensor([0, total], dtype=torch.int32, device=device), max_seqlen: total},
+              replaced)
     return PassResult(graph_module=gm, modified=True,
                       info={"attention_sites": len(sdpa), "positions": len(aranges) + counted, "tokens": total})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -168,14 +168,17 @@ def propagate_vals(gm: fx.GraphModule, inputs: Sequence[Any] | None = None) -> f
     return gm
 
 
-def fill_vals(gm: fx.GraphModule, new_inputs: Mapping[fx.Node, Any]) -> fx.GraphModule:
+def fill_vals(gm: fx.GraphModule, new_inputs: Mapping[fx.Node, Any],
+              replaced: Iterable[tuple[Any, fx.Node]] = ()) -> fx.GraphModule:
     """Give ``meta["val"]`` to every node of ``gm`` without one, in graph order, from its inputs' vals, in the
     fake mode the graph's vals already share; the placeholders a rewrite added take theirs from ``new_inputs``
     (real tensors or Python numbers). Nodes that have a val keep it: for a rewrite that replaces values by new
     nodes of the same shape, dtype and strides (the tests of the packed-attention, tensor-parallel and
     context-parallel rewrites check every val they leave against :func:`propagate_vals`). Where the vals come
     from no fake mode or from several, or a placeholder's val is missing, or a node cannot run in that mode,
-    every node is propagated again (:func:`propagate_vals`), as it would be without it."""
+    every node is propagated again (:func:`propagate_vals`), as it would be without it. ``replaced``: (the val a
+    value had before the rewrite, the node that gives it now); where one differs (:func:`same_val`), the nodes
+    after it would keep stale vals, so every node is propagated again too."""
     nodes = list(gm.graph.nodes)
     modes = {id(v.fake_mode): v.fake_mode for n in nodes for v in _tensors(n.meta.get("val"))}
     inputs = [n.meta["val"] if "val" in n.meta else new_inputs.get(n) for n in nodes if n.op == "placeholder"]
@@ -184,6 +187,8 @@ def fill_vals(gm: fx.GraphModule, new_inputs: Mapping[fx.Node, Any]) -> fx.Graph
     try:
         _FillVals(gm, next(iter(modes.values())), new_inputs).run_all()
     except Exception:  # a node its mode cannot run: as without the shortcut
+        return propagate_vals(gm, inputs)
+    if not all(same_val(old, node.meta.get("val")) for old, node in replaced):
         return propagate_vals(gm, inputs)
     return gm
 

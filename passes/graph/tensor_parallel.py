@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from passes.graph.analyze import OpClass, attention_sites, classify_node
 from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
-from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals, same_val
+from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals
 from passes.graph.sharding import Shard, block_index, propagate_node, where
 
 __all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "check_plan_fits", "split_dims",
@@ -485,19 +485,18 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             self.env[node] = self.visit(node)
         out = fx.GraphModule(self.root, self.graph, class_name=f"TP{self.plan.tp}Rank{self.plan.rank}Module")
-        fill_vals(out, {})  # vals for what is split or new; what stays whole kept its own, right where its inputs'
-        if self._carried_vals_hold():  # vals are the capture's (the same op on inputs of the same vals)
-            return out
-        return propagate_vals(out, [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"])
+        # vals for what is split or new; what stays whole kept its own, right where its inputs' vals are its
+        # original's (the same op on inputs of the same vals)
+        return fill_vals(out, {}, self._carried_inputs())
 
-    def _carried_vals_hold(self) -> bool:
-        """Whether every copy that kept the capture's val reads inputs whose vals are its original's inputs'."""
+    def _carried_inputs(self) -> list[tuple[object, fx.Node]]:
+        """(the capture's val, the copy's input) of every input of a copy that kept the capture's val (a copy
+        reading other inputs than its original: (None, the copy), which never matches)."""
+        pairs: list[tuple[object, fx.Node]] = []
         for node, new in self.carried:
             before, after = node.all_input_nodes, new.all_input_nodes
-            if len(before) != len(after) or not all(same_val(a.meta.get("val"), b.meta.get("val"))
-                                                    for a, b in zip(before, after)):
-                return False
-        return True
+            pairs += zip((a.meta.get("val") for a in before), after) if len(before) == len(after) else [(None, new)]
+        return pairs
 
     def visit(self, node: fx.Node) -> fx.Node:
         if node.op == "placeholder":
