@@ -160,12 +160,12 @@ def joined_context() -> DistContext:
 
 
 def _destroy_at_exit() -> None:
-    """Destroy every process group before the interpreter finalizes. A gloo worker thread can still hold the
-    last reference to a finished collective's work (its tensors have Python objects); destroyed during
-    finalization, that work takes the GIL from a C++ thread, which aborts the process ("terminate called
-    without an active exception") and turns a finished job into exit 1. Destroying the groups here joins
-    those threads while Python is alive. After an uncaught exception NCCL groups are left alone (their
-    destruction can wait on peers that are still in a collective)."""
+    """Destroy every process group before the interpreter finalizes, as a job that ends should. After an
+    uncaught exception NCCL groups are left alone (their destruction can wait on peers that are still in a
+    collective). This does not stop a gloo group's worker threads: they are joined only when the group object
+    is freed, and compiled graphs and the user's objects still hold it; one of them releasing a finished
+    collective's tensors during finalization aborts the process, which is why ``runtime.rank_entry`` ends a
+    rank without finalization."""
     if not dist.is_initialized():
         return
     if uses_nccl() and getattr(sys, "last_value", None) is not None:

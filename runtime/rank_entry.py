@@ -7,16 +7,31 @@ a collective must not tear down its process groups: a gloo pair receiving a peer
 or finalised with the interpreter, can abort the process ("terminate called without an active exception"),
 which turns the rank's own exit code into SIGABRT and the launcher's report into a wrong one. Such a rank
 writes what Python would (the traceback, or the ``sys.exit`` message), flushes its streams and leaves with
-``os._exit`` and its own code; a rank that ends cleanly goes through the normal exit, which destroys its
-groups (``runtime.distributed``)."""
+``os._exit`` and its own code.
+
+A rank that ends cleanly goes through Python's exit up to the interpreter's finalization, and no further: it
+waits for the script's non-daemon threads, runs every ``atexit`` handler (the runtime's destroys the process
+groups, ``logging`` flushes its handlers, ``weakref.finalize`` callbacks run), flushes every open file, and
+leaves with ``os._exit(0)``, as ``multiprocessing`` ends a forked child. Finalization is where a thread still
+inside C++ (a gloo worker releasing the tensors of a collective it just finished, or a daemon thread in a
+torch op) that wants the GIL back is unwound through a ``noexcept`` frame, which aborts the process
+("terminate called without an active exception", exit 134) after the job has finished; a gloo group's worker
+threads are joined only when the group is freed, and a group is referenced from places its destruction cannot
+reach (compiled graphs' guards, the user's objects), so skipping finalization is what removes that abort.
+What finalization would add is ``__del__`` of objects still alive, which Python does not promise."""
 
 from __future__ import annotations
 
+import atexit
+import gc
+import io
 import os
 import runpy
 import sys
+import threading
 import time
 import traceback
+from typing import NoReturn
 
 __all__ = ["main", "exit_code"]
 
@@ -32,8 +47,8 @@ def exit_code(exc: SystemExit) -> tuple[int, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the script named by ``argv[0]`` with the rest as its arguments; returns its status when it is 0
-    (a non-zero one leaves the process at once, see the module's docstring)."""
+    """Run the script named by ``argv[0]`` with the rest as its arguments, and end the process with its status
+    (module docstring); returns only the usage error's 2."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: python -m runtime.rank_entry script.py [args]", file=sys.stderr)
@@ -50,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         code = 1
     if code == 0:
-        return 0
+        _leave_cleanly()
     _note_exit_time()
     if message is not None:
         print(message, file=sys.stderr)
@@ -60,6 +75,27 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _leave_cleanly() -> NoReturn:
+    """Python's exit without its finalization (module docstring): wait for non-daemon threads, run the ``atexit``
+    handlers, flush every open file, ``os._exit(0)``."""
+    shutdown_threads = getattr(threading, "_shutdown", None)  # what the interpreter calls: joins non-daemon
+    if shutdown_threads is not None:  # threads and stops idle executors (their ``_register_atexit`` hooks)
+        shutdown_threads()
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():  # what finalization would flush: files the script left open
+        try:  # type(), not isinstance(): a dead weak proxy or a deprecated alias must not raise or warn here
+            if issubclass(type(obj), io.IOBase) and not obj.closed:
+                obj.flush()
+        except Exception:  # a file that cannot flush loses what finalization would have lost too
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(0)
 
 
 def _note_exit_time() -> None:
