@@ -20,9 +20,11 @@ push until the last rank reaches its optimiser), medians; the ranks run under ``
 ``FRESH_ALLOCATOR``, as the movement model counts their buffers. Predicted: the planner's model of the
 overlapped runtime (``MovementCost(mode="overlapped").step_ms`` less the slowest replica's compute) on the links
 probed here once every strategy has compiled
-(``runtime.link_probe``, its ``overlap_slowdown`` included: the cores the transfers take from the compute), each
-replica's compute as measured in the rounds (its ranks' longest compute phase), its first and last micro-batch
-that compute's share by tokens. Target: within 25% (``pred_over_measured``).
+(``runtime.link_probe``, its ``overlap_slowdown`` included: the cores the transfers take from the compute; and
+its ``compute_slots``: the 4 ranks share 2 cores, so a replica that the movement keeps busy longer slows the
+others, ``passes.plan.host_sharing``), each replica's compute as measured in the rounds (its ranks' longest
+compute phase), its first and last micro-batch that compute's share by tokens. Target: within 25%
+(``pred_over_measured``).
 Prints a table; ``--json`` prints one JSON object; rows are appended, stamped, to ``results/overlap.jsonl``.
 ``--smoke``: a tiny model, one strategy (CI).
 """
@@ -34,7 +36,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from unittest import mock
 
@@ -113,8 +115,11 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
                 row[f"{mode}_losses"] = [m["loss"] for m in measured[mode]]
             row["exposed_ratio"] = row["overlap_exposed_ms"] / row["rounds_exposed_ms"]
             row["wall_ratio"] = row["overlap_wall_ms"] / row["rounds_wall_ms"]
-            row["measured_added_ms"] = statistics.median(
-                o["wall_ms"] - (r["wall_ms"] - r["moved_ms"]) for o, r in zip(measured["overlap"], measured["rounds"]))
+            row["measured_added_steps_ms"] = [o["wall_ms"] - (r["wall_ms"] - r["moved_ms"])
+                                              for o, r in zip(measured["overlap"], measured["rounds"])]
+            row["rounds_wall_steps_ms"] = [r["wall_ms"] for r in measured["rounds"]]
+            row["overlap_wall_steps_ms"] = [o["wall_ms"] for o in measured["overlap"]]
+            row["measured_added_ms"] = statistics.median(row["measured_added_steps_ms"])
             row.update(predicted)
             row["pred_over_measured"] = row["pred_added_ms"] / row["measured_added_ms"]
             row["links"] = probe.to_dict()
@@ -125,12 +130,15 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
 def _predicted(trainer, strategy: str, links, rounds: list[dict]) -> dict:
     """The planner's overlapped charge of ``strategy`` on ``links``, with each replica's compute as the rounds
     measured it (the median over steps of its ranks' longest compute phase), its first and last micro-batch
-    that compute's share by tokens (1F1B: ``sum t_j + (pp - 1) max t_j``)."""
+    that compute's share by tokens (1F1B: ``sum t_j + (pp - 1) max t_j``); and the same charge with the
+    replicas not sharing the host's cores (``pred_added_unshared_ms``: the model before
+    ``passes.plan.host_sharing``)."""
     from passes.plan.ir import Strategy
 
     parsed = Strategy.parse(strategy)
     cost = trainer.movement_cost(parsed.schemes, links)
-    added, computes = [], []
+    unshared = trainer.movement_cost(parsed.schemes, replace(links, compute_slots=None))
+    added, alone, computes = [], [], []
     for step in rounds:
         plan = step["plan"]
         replica_ms, edges = [], []
@@ -141,10 +149,13 @@ def _predicted(trainer, strategy: str, links, rounds: list[dict]) -> dict:
             replica_ms.append(ms)
             edges.append((unit * tokens[0], unit * tokens[-1]))
         added.append(cost.step_ms(plan.strategy, replica_ms, edges) - max(replica_ms))
+        alone.append(unshared.step_ms(plan.strategy, replica_ms, edges) - max(replica_ms))
         computes.append(max(replica_ms))
     time = cost.time(parsed)
     return {"pred_added_ms": statistics.median(added), "compute_ms": statistics.median(computes),
+            "pred_added_unshared_ms": statistics.median(alone),
             "pred_pull_ms": time.pull_ms, "pred_push_ms": time.push_ms, "slowdown": links.overlap_slowdown,
+            "compute_slots": links.compute_slots,
             "windows": cost.windows}
 
 
@@ -168,12 +179,16 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['wall_ratio']:>6.2f} {r['overlap_pull_ms']:>10.1f}/{r['overlap_wait_ms']:.1f}/"
                      f"{r['overlap_push_ms']:.1f}")
     lines.append("")
+    slots = rows[0].get("compute_slots") if rows else None
     lines.append(f"what the overlapped runtime adds to the step, predicted against measured (slowdown "
-                 f"{rows[0]['slowdown']:.2f} probed, {rows[0]['windows']} windows):" if rows else "")
-    lines.append(f"{'strategy':<18} {'compute ms':>10} {'pred ms':>8} {'meas ms':>8} {'pred/meas':>9}")
+                 f"{rows[0]['slowdown']:.2f} probed, {rows[0]['windows']} windows, "
+                 f"{'no shared cores' if slots is None else f'{slots:.2f} compute slots'}):" if rows else "")
+    lines.append(f"{'strategy':<18} {'compute ms':>10} {'pred ms':>8} {'meas ms':>8} {'pred/meas':>9} "
+                 f"{'unshared pred/meas':>18}")
     for r in rows:
         lines.append(f"{r['strategy']:<18} {r['compute_ms']:>10.1f} {r['pred_added_ms']:>8.1f} "
-                     f"{r['measured_added_ms']:>8.1f} {r['pred_over_measured']:>9.3f}")
+                     f"{r['measured_added_ms']:>8.1f} {r['pred_over_measured']:>9.3f} "
+                     f"{r['pred_added_unshared_ms'] / r['measured_added_ms']:>18.3f}")
     return "\n".join(lines)
 
 

@@ -17,7 +17,9 @@ runtime's compute pays for the movement it hides): every rank multiplies matrice
 ``SLOWDOWN_COMPUTE_MS`` alone, then again while a thread of its own (on a GPU, a stream of its own) runs rounds of
 pairs lasting about half that; the slowdown is the compute's extra time over the transfers' time alone (0: the
 transfers cost the compute nothing, as copy engines and NICs nearly do; 1: every transfer millisecond is a compute
-millisecond lost, as where ranks share a host's cores).
+millisecond lost, as where ranks share a host's cores). And how many ranks compute at full speed at once
+(:func:`compute_slots`: one rank's matrix products alone against every rank's at once), below the ranks where
+they share a host's cores: the replicas of a step then slow each other (``passes.plan.host_sharing``).
 What it measures is whatever the backend uses between these ranks: gloo over local sockets on a CPU machine, NCCL
 over NVLink between the GPUs of one node.
 """
@@ -37,7 +39,8 @@ import torch
 from passes.plan.links import Links
 from runtime import distributed as comm
 
-__all__ = ["LinkProbe", "probe_links", "overlap_slowdown", "DEFAULT_PROBE_BYTES", "PAIR_PROBES"]
+__all__ = ["LinkProbe", "probe_links", "overlap_slowdown", "compute_slots", "DEFAULT_PROBE_BYTES",
+           "PAIR_PROBES"]
 
 DEFAULT_PROBE_BYTES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
 """Message sizes probed: 64 KiB to 16 MiB."""
@@ -78,21 +81,27 @@ class LinkProbe:
     """(message bytes, median ms of one round on the busiest rank) per size."""
     overlap_slowdown: float = 0.0
     """Extra compute time per millisecond of transfers running beside it (module docstring; 0: not probed)."""
+    compute_slots: float | None = None
+    """How many ranks compute at full speed at once (:func:`compute_slots`: about the host's cores over each
+    rank's threads where the ranks share them; None: not probed)."""
 
     def host_links(self, world: int) -> Links:
         """The links of ``world`` ranks sharing this host (the probe's ranks: gloo on one CPU machine): each
         transfer at most the pair's speed, all at once sharing ``world`` times the every-rank speed, the
-        probed latency and fresh-memory rate."""
+        probed latency and fresh-memory rate, and the compute slots where fewer than ``world`` ranks compute at
+        full speed at once."""
+        slots = self.compute_slots if self.compute_slots is not None and self.compute_slots < world else None
         return Links(gpus_per_node=world, intra_gbps=self.pair_gbps, inter_gbps=self.pair_gbps,
                      latency_us=self.latency_us, fresh_gbps=self.fresh_gbps, freed_gbps=self.freed_gbps,
                      warm_gbps=self.warm_gbps, host_gbps=world * self.gbps,
-                     overlap_slowdown=self.overlap_slowdown)
+                     overlap_slowdown=self.overlap_slowdown, compute_slots=slots)
 
     def to_dict(self) -> dict:
         return {"gbps": self.gbps, "latency_us": self.latency_us, "fresh_gbps": self.fresh_gbps,
                 "freed_gbps": self.freed_gbps,
                 "warm_gbps": self.warm_gbps,
                 "pair_gbps": self.pair_gbps, "overlap_slowdown": self.overlap_slowdown,
+                "compute_slots": self.compute_slots,
                 "round_ms": [[n, round(ms, 4)] for n, ms in self.round_ms]}
 
 
@@ -125,7 +134,8 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
                      fresh_gbps=FRESH_PROBE_BYTES / (fresh * 1e6),
                      freed_gbps=FRESH_PROBE_BYTES / (max(freed, 1e-6) * 1e6),
                      warm_gbps=FRESH_PROBE_BYTES / (warm * 1e6), pair_gbps=float(1 / (pair_slope * 1e6)),
-                     round_ms=tuple(rows), overlap_slowdown=overlap_slowdown(all_rounds, repeats, device))
+                     round_ms=tuple(rows), overlap_slowdown=overlap_slowdown(all_rounds, repeats, device),
+                     compute_slots=compute_slots(repeats, device))
 
 
 def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], repeats: int,
@@ -184,6 +194,42 @@ def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], re
     c, m = busiest(statistics.median(alone)), busiest(statistics.median(moving))
     b = busiest(statistics.median(beside))
     return max(0.0, (b - c) / min(m, c))
+
+
+def compute_slots(repeats: int, device: torch.device | str) -> float:
+    """Collective: how many ranks compute at full speed at once. Rank 0 multiplies matrices for about
+    ``SLOWDOWN_COMPUTE_MS`` while the others wait, then every rank does the same work at once; the slots are
+    ``world`` times the first time over the second (the busiest rank's medians over ``repeats`` timings),
+    between 1 and ``world``: about ``world`` where each rank has a device of its own, the host's cores over each
+    rank's threads where they share it (2 for 4 ranks of one thread on 2 cores)."""
+    device = torch.device(device)
+    world, rank = comm.world_size(), comm.rank()
+    a = torch.randn(256, 256, device=device) / 16
+    out = torch.empty_like(a)
+
+    def compute(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, a, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(n: int, me: bool) -> float:
+        comm.barrier()
+        started = time.perf_counter()
+        if me:
+            compute(n)
+        ms = (time.perf_counter() - started) * 1e3
+        comm.barrier()  # the others wait until it is done
+        return ms
+
+    compute(4)  # warm-up
+    per_mm = float(comm.all_reduce(torch.tensor([timed(20, rank == 0) / 20], dtype=torch.float64),
+                                   op="max").item())
+    n = max(1, int(SLOWDOWN_COMPUTE_MS / max(per_mm, 1e-3)))
+    alone = statistics.median(timed(n, rank == 0) for _ in range(repeats))
+    every = statistics.median(timed(n, True) for _ in range(repeats))
+    alone, every = (float(x) for x in comm.all_reduce(torch.tensor([alone, every], dtype=torch.float64), op="max"))
+    return min(float(world), max(1.0, world * alone / max(every, 1e-6)))
 
 
 def _add_passes(source: torch.Tensor, into: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """``python -m benchmarks.overlap --smoke``: both movement modes train the same (equal losses), every timing is
-there and positive, the prediction is made on the probed links, the rows are stamped; bad arguments exit 2."""
+there and positive, the prediction is made on the probed links (the host's cores shared where the probe found
+fewer compute slots than ranks), the rows are stamped; bad arguments exit 2."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def test_smoke_rows_have_both_modes_training_alike(tmp_path, capsys):
     assert row["pred_added_ms"] > 0 and row["compute_ms"] > 0 and row["slowdown"] > 0 and row["windows"] >= 1
     assert row["pred_over_measured"] == pytest.approx(row["pred_added_ms"] / row["measured_added_ms"])
     assert row["links"]["overlap_slowdown"] == row["slowdown"]
+    # the ranks share the host's cores in the model only where fewer than the 4 ranks compute at once
+    probed = row["links"]["compute_slots"]
+    assert 1 <= probed <= 4 and row["compute_slots"] == (probed if probed < 4 else None)
+    assert row["pred_added_unshared_ms"] > 0
     (line,) = [json.loads(x) for x in (tmp_path / "overlap.jsonl").read_text().splitlines()]
     assert {"commit", "device", "model", "strategy", "exposed_ratio"} <= set(line)
 

@@ -47,6 +47,11 @@ class Links:
     overlap_slowdown: float = 0.0
     """How much slower compute runs while transfers run beside it (0.05: 5%), what the overlapped runtime's
     model stretches a replica's compute by (``passes.plan.movement.MovementCost``)."""
+    compute_slots: float | None = None
+    """How many ranks of a node compute at full speed at once, where the node's ranks share a host's cores
+    (local CPU ranks; measured by ``runtime.link_probe``); while more of them compute, each runs at this over
+    their number of its speed, and replicas of one step slow each other (``passes.plan.host_sharing``). None:
+    every rank computes on a device of its own (GPUs)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -66,6 +71,10 @@ class Links:
         value = self.overlap_slowdown
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise PlanError(f"overlap_slowdown must be a finite number >= 0, got {value!r}")
+        value = self.compute_slots
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise PlanError(f"compute_slots must be None or a finite number > 0, got {value!r}")
 
     def fresh_ms(self, nbytes: float) -> float:
         """Milliseconds to write ``nbytes`` of newly allocated memory (0 when not counted)."""

@@ -35,6 +35,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from passes.plan.host_sharing import host_shared_ms
 from passes.plan.ir import CostModel, ParallelScheme, PlanError, Strategy
 from passes.plan.links import Links
 from passes.plan.placement import assign_ranks
@@ -636,7 +637,10 @@ class MovementCost:
         ``slowdown`` while its transfers run beside it (not while a stage waits in the pipeline's fill or
         drain), plus its ranks' largest stall and tail
         (:func:`overlapped_exposure`, with ``edges``: per replica the time of its first and last micro-batch on
-        one stage), the slowest of them."""
+        one stage), the slowest of them. Where a node's ranks share its cores (``Links.compute_slots``), the
+        replicas of the node slow each other (:func:`passes.plan.host_sharing.host_shared_ms`, ``replica_ms``
+        being each replica's compute as it runs beside the others): a replica whose movement keeps its ranks
+        busy longer holds the cores the others had once it ended."""
         if self.mode == "plain" or strategy.gpus < 2:
             return max(replica_ms, default=0.0) + self.exposed_ms(strategy)
         stage, members = self._rank_places(strategy)
@@ -650,12 +654,20 @@ class MovementCost:
         # to fill (its pull) or an earlier one finishes the last backwards (its push)
         beside = (np.maximum(0.0, pull - stage * FORWARD_SHARE * first)
                   + np.maximum(0.0, push - stage * (1 - FORWARD_SHARE) * last))
-        worst = 0.0
+        ends = []
         for ranks, ms in zip(members, replica_ms):
             busy = float(beside[ranks].max(initial=0.0))
-            worst = max(worst, ms + self.slowdown * min(ms, busy) + float(stall[ranks].max(initial=0.0))
+            ends.append(ms + self.slowdown * min(ms, busy) + float(stall[ranks].max(initial=0.0))
                         + float(tail[ranks].max(initial=0.0)))
-        return worst
+        slots = self.links.compute_slots
+        if slots is not None and len(members) > 1:  # replicas sharing a node's cores slow each other
+            per_node = self.links.gpus_per_node
+            shared = [0.0] * len(ends)
+            for node in sorted({int(r) // per_node for ranks in members for r in ranks}):
+                here = [int(np.count_nonzero(ranks // per_node == node)) for ranks in members]
+                shared = [max(a, b) for a, b in zip(shared, host_shared_ms(replica_ms, ends, here, slots))]
+            ends = shared
+        return max(ends, default=0.0)
 
     def _rank_places(self, strategy: Strategy) -> tuple[np.ndarray, list[np.ndarray]]:
         """Per rank its pipeline stage, and per replica (``strategy.replicas()`` order) its ranks."""
