@@ -138,25 +138,42 @@ def probe_links(sizes: tuple[int, ...] = DEFAULT_PROBE_BYTES, repeats: int = 5,
                      compute_slots=compute_slots(repeats, device))
 
 
+def _busiest(*ms: float) -> list[float]:
+    """Collective: each figure's largest value over every rank."""
+    return [float(x) for x in comm.all_reduce(torch.tensor(ms, dtype=torch.float64), op="max")]
+
+
+def _timed(work: Callable[[], None]) -> float:
+    """Collective: ms of ``work`` on this rank, every rank starting together after a barrier."""
+    comm.barrier()
+    started = time.perf_counter()
+    work()
+    return (time.perf_counter() - started) * 1e3
+
+
+def _matmuls(device: torch.device) -> Callable[[int], None]:
+    """The probes' compute: ``n`` products of a 256 x 256 matrix (synchronised on a GPU)."""
+    a = torch.randn(256, 256, device=device) / 16
+    out = torch.empty_like(a)
+
+    def compute(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, a, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return compute
+
+
 def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], repeats: int,
                      device: torch.device | str) -> float:
     """Collective: extra ms of compute per ms of ``transfers`` (one call moves one message each way per pair)
     running beside it on a thread of their own, the busiest rank's medians over ``repeats`` timings
     (module docstring)."""
     device = torch.device(device)
-    a = torch.randn(256, 256, device=device) / 16
-    out = torch.empty_like(a)
+    compute = _matmuls(device)
     send = torch.ones(SLOWDOWN_MESSAGE_BYTES // 4, device=device)
     recv = torch.empty_like(send)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def compute(n: int) -> None:
-        for _ in range(n):
-            torch.mm(a, a, out=out)
-        sync()
 
     def move(n: int) -> None:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -166,24 +183,15 @@ def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], re
             if stream is not None:
                 stream.synchronize()
 
-    def busiest(ms: float) -> float:
-        return float(comm.all_reduce(torch.tensor([ms], dtype=torch.float64), op="max").item())
-
-    def timed(work: Callable[[], None]) -> float:
-        comm.barrier()
-        started = time.perf_counter()
-        work()
-        return (time.perf_counter() - started) * 1e3
-
     compute(4)  # warm-up
-    per_mm = busiest(timed(lambda: compute(20)) / 20)
+    [per_mm] = _busiest(_timed(lambda: compute(20)) / 20)
     mms = max(1, int(SLOWDOWN_COMPUTE_MS / max(per_mm, 1e-3)))
-    per_round = busiest(timed(lambda: move(1)))
+    [per_round] = _busiest(_timed(lambda: move(1)))
     rounds = max(1, int(SLOWDOWN_COMPUTE_MS / 2 / max(per_round, 1e-3)))
     alone, beside, moving = [], [], []
     for _ in range(repeats):
-        alone.append(timed(lambda: compute(mms)))
-        moving.append(timed(lambda: move(rounds)))
+        alone.append(_timed(lambda: compute(mms)))
+        moving.append(_timed(lambda: move(rounds)))
         thread = threading.Thread(target=move, args=(rounds,), name="hydraulis-slowdown-probe")
         comm.barrier()
         started = time.perf_counter()
@@ -191,8 +199,7 @@ def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], re
         compute(mms)
         beside.append((time.perf_counter() - started) * 1e3)
         thread.join()
-    c, m = busiest(statistics.median(alone)), busiest(statistics.median(moving))
-    b = busiest(statistics.median(beside))
+    c, m, b = _busiest(statistics.median(alone), statistics.median(moving), statistics.median(beside))
     return max(0.0, (b - c) / min(m, c))
 
 
@@ -202,33 +209,19 @@ def compute_slots(repeats: int, device: torch.device | str) -> float:
     ``world`` times the first time over the second (the busiest rank's medians over ``repeats`` timings),
     between 1 and ``world``: about ``world`` where each rank has a device of its own, the host's cores over each
     rank's threads where they share it (2 for 4 ranks of one thread on 2 cores)."""
-    device = torch.device(device)
-    world, rank = comm.world_size(), comm.rank()
-    a = torch.randn(256, 256, device=device) / 16
-    out = torch.empty_like(a)
-
-    def compute(n: int) -> None:
-        for _ in range(n):
-            torch.mm(a, a, out=out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    world, first = comm.world_size(), comm.rank() == 0
+    compute = _matmuls(torch.device(device))
 
     def timed(n: int, me: bool) -> float:
-        comm.barrier()
-        started = time.perf_counter()
-        if me:
-            compute(n)
-        ms = (time.perf_counter() - started) * 1e3
+        ms = _timed(lambda: compute(n) if me else None)
         comm.barrier()  # the others wait until it is done
         return ms
 
     compute(4)  # warm-up
-    per_mm = float(comm.all_reduce(torch.tensor([timed(20, rank == 0) / 20], dtype=torch.float64),
-                                   op="max").item())
+    [per_mm] = _busiest(timed(20, first) / 20)
     n = max(1, int(SLOWDOWN_COMPUTE_MS / max(per_mm, 1e-3)))
-    alone = statistics.median(timed(n, rank == 0) for _ in range(repeats))
-    every = statistics.median(timed(n, True) for _ in range(repeats))
-    alone, every = (float(x) for x in comm.all_reduce(torch.tensor([alone, every], dtype=torch.float64), op="max"))
+    alone, every = _busiest(statistics.median(timed(n, first) for _ in range(repeats)),
+                            statistics.median(timed(n, True) for _ in range(repeats)))
     return min(float(world), max(1.0, world * alone / max(every, 1e-6)))
 
 
@@ -263,8 +256,8 @@ def _busiest_median_ms(nbytes: int, repeats: int, device: torch.device | str,
             torch.cuda.synchronize(device)
         if i:
             times.append((time.perf_counter() - started) * 1e3)
-    busiest = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), op="max")
-    return float(busiest.item())
+    [busiest] = _busiest(statistics.median(times))
+    return busiest
 
 
 def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> tuple[float, float]:
@@ -281,6 +274,5 @@ def _fresh_write_ms(nbytes: int, repeats: int, device: torch.device | str) -> tu
         started = time.perf_counter()
         del buffer
         freed.append((time.perf_counter() - started) * 1e3)
-    busiest = comm.all_reduce(torch.tensor([statistics.median(written), statistics.median(freed)],
-                                           dtype=torch.float64), op="max")
-    return float(busiest[0]), float(busiest[1])
+    written_ms, freed_ms = _busiest(statistics.median(written), statistics.median(freed))
+    return written_ms, freed_ms

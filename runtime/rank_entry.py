@@ -69,11 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     _note_exit_time()
     if message is not None:
         print(message, file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_streams()
     os._exit(code)
 
 
@@ -90,12 +86,17 @@ def _leave_cleanly() -> NoReturn:
                 obj.flush()
         except Exception:  # a file that cannot flush loses what finalization would have lost too
             pass
+    _flush_streams()
+    os._exit(0)
+
+
+def _flush_streams() -> None:
+    """Flush stdout and stderr before ``os._exit`` (a closed or missing stream is left as it is)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    os._exit(0)
 
 
 def _note_exit_time() -> None:
