@@ -3,7 +3,8 @@ compute (the default) against overlapped with it (``TrainOptions(overlap_movemen
 
 The LLaMA of ``benchmarks.memory`` (52.4M parameters) trains on 4 local gloo ranks under each strategy, two
 trainers side by side from the same initial weights (one per mode), their steps interleaved on the same
-batches (so both see the same machine load). Per step and rank, the exposed movement is the wall time the
+batches, which mode goes first alternating step by step (so both see the same machine load, and a drift over the
+run falls on both alike). Per step and rank, the exposed movement is the wall time the
 rank spent on movement that no compute covered: the pull phase (in rounds: the whole pull; overlapped: posting
 every window and copying its own shard's part), the time the compute waited for windows still travelling
 (overlapped only) and the push phase (in rounds: the whole push; overlapped: what is left after the backward,
@@ -56,8 +57,9 @@ from hcompile.models import LlamaConfig
 
 STRATEGIES = ("4x(tp1)", "2x(tp2)", "1x(tp2,pp2)", "1x(tp2)+2x(tp1)")
 SMOKE_STRATEGIES = ("1x(tp2)+2x(tp1)",)
-TIMED_STEPS = 4
-"""Timed steps per strategy and mode (after one warm-up step each)."""
+TIMED_STEPS = 8
+"""Timed steps per strategy and mode (after one warm-up step each): a step's measured added time varies by about
++-150 ms here (the host's load), against 200-900 ms added, so the median takes eight."""
 MODES = ("rounds", "overlap")
 
 
@@ -87,7 +89,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...], 
         measured: dict[str, list] = {mode: [] for mode in MODES}
         for k in range(1, steps + 1):
             batch = _batch(cfg, 1000 * i + k)
-            for mode in MODES:
+            for mode in MODES if k % 2 else MODES[::-1]:
                 clock = PhaseClock()  # rounds: a barrier before each phase times it apart from the compute
                 if mode == "rounds":
                     trainers[mode].executor.hooks.insert(0, clock)

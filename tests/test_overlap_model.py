@@ -18,16 +18,18 @@ from passes.plan.movement import FORWARD_SHARE, MovementCost, overlapped_exposur
 from passes.plan.policies import POLICIES, Planner, homogeneous_strategies
 
 
-def _replay(pull: float, push: float, stage: int, first: float, last: float, windows: int) -> tuple[float, float]:
-    """Event by event: window g of the pull lands at (g + 1) pull / W; the stage's first forward starts once the
-    pipeline has filled (``stage`` forward slots) and computes window g once it has landed and window g - 1 is
-    done; the last backward (ending at 0) finishes window W - 1 first, each window's gradients leave once it
-    is finished and the previous window's have left. Stall: how much later the forward ends; tail: how long
-    the push runs after the stage's last backward, less the ``stage`` backward slots later stages leave it."""
+def _replay(pull: float, push: float, stage: int, first: float, last: float, windows: int,
+            ahead: float = 0.0) -> tuple[float, float]:
+    """Event by event: the rank works ``ahead`` ms before anything travels or computes, then window g of the pull
+    lands at ahead + (g + 1) pull / W; the stage's first forward starts once the pipeline has filled (``stage``
+    forward slots) and computes window g once it has landed and window g - 1 is done; the last backward (ending
+    at 0) finishes window W - 1 first, each window's gradients leave once it is finished and the previous
+    window's have left. Stall: how much later the forward ends; tail: how long the push runs after the stage's
+    last backward, less the ``stage`` backward slots later stages leave it."""
     fwd, bwd = FORWARD_SHARE * first, (1 - FORWARD_SHARE) * last
     start = end = stage * fwd
     for g in range(windows):
-        landed = (g + 1) * pull / windows
+        landed = ahead + (g + 1) * pull / windows
         end = max(end, landed) + fwd / windows
     stall = end - (start + fwd)
     sent = -bwd
@@ -43,9 +45,10 @@ def test_the_closed_form_is_the_event_replay():
         windows = rng.choice([1, 2, 3, 8, 16])
         case = [rng.choice([0.0, rng.uniform(0, 50)]) for _ in range(2)] + [rng.randrange(4)] + \
             [rng.uniform(0.1, 80) for _ in range(2)]
-        stall, tail = overlapped_exposure(*(np.array([x], dtype=float) for x in case), windows)
-        want = _replay(*case, windows)
-        assert (float(stall[0]), float(tail[0])) == pytest.approx(want, abs=1e-9), (case, windows)
+        ahead = rng.choice([0.0, rng.uniform(0, 60)])
+        stall, tail = overlapped_exposure(*(np.array([x], dtype=float) for x in case), windows, np.array([ahead]))
+        want = _replay(*case, windows, ahead)
+        assert (float(stall[0]), float(tail[0])) == pytest.approx(want, abs=1e-9), (case, windows, ahead)
     # nothing covers one window on a first stage; a long enough forward and backward cover the rest
     stall, tail = overlapped_exposure(np.array([8.0]), np.array([16.0]), np.array([0.0]), np.array([300.0]),
                                       np.array([300.0]), 8)
@@ -110,6 +113,62 @@ def test_a_later_stage_transfers_in_the_pipeline_fill_and_drain_without_slowing_
     gained = slowed.step_ms(strategy, [1e6], [(long, long)]) - still.step_ms(strategy, [1e6], [(long, long)])
     assert gained == pytest.approx(0.5 * float(both[stage == 0].max()))
     assert float(both[stage == 1].max()) > 0  # the second stage moves too, in its slack
+
+
+def _ahead_by_hand(layout, strategy: Strategy, links: Links, param_bytes: int) -> tuple[list, list]:
+    """Per rank, the overlapped runtime's set-up memory counted from the layout's own ranges: the zeroed
+    gradient buffer (every element the rank computes with), its own slices (those inside its shard) and the
+    zeroed fp32 shard gradient, at the fresh-memory rate."""
+    from passes.plan.movement import assign_ranks, compute_scheme
+
+    world, rate = strategy.gpus, links.fresh_gbps * 1e6
+    pull, push = [0.0] * world, [0.0] * world
+    for scheme, ranks in zip(strategy.replicas(), assign_ranks(strategy, links.gpus_per_node)):
+        for i, rank in enumerate(ranks):
+            place = (compute_scheme(scheme), i // scheme.tp, i % scheme.tp)
+            needs = layout.needs(place)
+            own = sum(needs.inside(a, b) for a, b in layout.owner_ranges(rank, world))
+            pull[rank] = (needs.total + own) * param_bytes / rate
+            push[rank] = 4 * layout.shard_numel(world) / rate
+    return pull, push
+
+
+def test_the_set_up_memory_is_exposed_before_the_windows_travel():
+    """On a host whose fresh memory is counted (``Links.fresh_gbps``), the overlapped runtime first zeroes the
+    gradient buffers and copies the rank's own slices, nothing travelling or computing meanwhile: part of the
+    pull's and push's memory (``MovementTime.pull_ahead_ranks``, ``push_ahead_ranks``, counted here from the
+    layout's ranges), exposed whole on a first stage (with a cover long enough, its charge is that work plus the
+    first window's pull and the last window's push) and hidden by the fill on a later stage; without fresh
+    memory counted there is none, and the charge is as before."""
+    from passes.plan.ir import ParallelScheme
+
+    schemes = [ParallelScheme(tp=t, pp=p) for t in (1, 2) for p in (1, 2)]
+    layout = _llama(schemes)
+    bare = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10)
+    host = Links(gpus_per_node=4, intra_gbps=0.5, inter_gbps=0.05, latency_us=10, fresh_gbps=0.2, freed_gbps=2.0,
+                 warm_gbps=1.0)
+    for text in ("4x(tp1)", "1x(tp2,pp2)", "1x(tp2)+2x(tp1)"):
+        strategy = Strategy.parse(text)
+        for param_bytes in (2, 4):
+            cost = MovementCost(layout, host, param_bytes=param_bytes, mode="overlapped")
+            t = cost.time(strategy)
+            pull, push = _ahead_by_hand(layout, strategy, host, param_bytes)
+            assert t.pull_ahead_ranks == pytest.approx(pull) and t.push_ahead_ranks == pytest.approx(push), text
+            plain = MovementCost(layout, bare, param_bytes=param_bytes).time(strategy)  # transfers alone
+            memory = np.subtract(t.pull_ranks, plain.pull_ranks), np.subtract(t.push_ranks, plain.push_ranks)
+            assert (np.array(pull) > 0).all() and (np.array(pull) <= memory[0] + 1e-9).all(), text
+            assert (np.array(push) <= memory[1] + 1e-9).all(), text
+        assert MovementCost(layout, bare, mode="overlapped").time(strategy).pull_ahead_ranks == (0.0,) * 4
+    strategy = Strategy.parse("1x(tp2,pp2)")
+    cost = MovementCost(layout, host, param_bytes=4, mode="overlapped")
+    t = cost.time(strategy)
+    stage, _ = cost._rank_places(strategy)
+    ahead = np.add(t.pull_ahead_ranks, t.push_ahead_ranks)
+    beside = np.subtract(t.pull_ranks, t.pull_ahead_ranks) + np.subtract(t.push_ranks, t.push_ahead_ranks)
+    long = 10 * float((ahead + beside).max())  # every pipeline slot longer than anything a rank moves
+    want = float((ahead + beside / cost.windows)[stage == 0].max())
+    assert cost.step_ms(strategy, [1e6], [(long, long)]) - 1e6 == pytest.approx(want)
+    assert float(ahead[stage == 1].min()) > 0  # the second stage works ahead too, in the pipeline's fill
 
 
 def test_bad_settings_are_refused_by_name():

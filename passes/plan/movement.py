@@ -19,12 +19,14 @@ planner charges a strategy, cached per strategy, with a floor no strategy can be
 - ``plain`` (``runtime.redistribute``): the pull before the compute and the push after it, both exposed;
 - ``overlapped`` (``runtime.overlap``, ``TrainOptions(overlap_movement=True)``): the layout in ``windows`` windows,
   as many as the runtime cuts it into (:func:`window_cuts`, the one rule of both: 8, or one per large parameter at
-  scale, 423 for a 32B LLaMA); a rank's pull travels while its stage waits for the pipeline to fill and computes the
-  first micro-batch's forward window by window, its push while the last micro-batch's backward finishes the windows
-  in reverse (:func:`overlapped_exposure`: per rank, the stall of the forward and the tail of the push after the
-  rank's last backward, each window's transfer taking an equal share of the rank's pull or push as the rounds'
-  replay times them); a replica's step is its compute, stretched by ``slowdown`` while its transfers run, plus its
-  ranks' largest stall and tail (a replica that ends early hides its push behind the others).
+  scale, 423 for a 32B LLaMA); a rank first does the memory work its set-up needs (on a CPU host: its zeroed gradient
+  buffers and its own slices, exposed), then its pull travels while its stage waits for the pipeline to fill and
+  computes the first micro-batch's forward window by window, its push while the last micro-batch's backward
+  finishes the windows in reverse (:func:`overlapped_exposure`: per rank, the stall of the forward and the tail of
+  the push after the rank's last backward, each window's transfer taking an equal share of the rank's pull or push
+  as the rounds' replay times them); a replica's step is its compute, stretched by ``slowdown`` while its
+  transfers run, plus its ranks' largest stall and tail (a replica that ends early hides its push behind the
+  others).
 """
 
 from __future__ import annotations
@@ -314,6 +316,11 @@ class MovementTime:
     """Per rank (placement order), when it has its slices."""
     push_ranks: tuple[float, ...] = ()
     """Per rank, when its gradients are sent and its shard's received."""
+    pull_ahead_ranks: tuple[float, ...] = ()
+    """Per rank, the part of its pull (``pull_ranks``) the overlapped runtime does before its compute and its
+    transfers start: memory work (:func:`_ahead_ms`; empty: none counted)."""
+    push_ahead_ranks: tuple[float, ...] = ()
+    """Per rank, the part of its push (``push_ranks``) the overlapped runtime does then too."""
 
     @property
     def total_ms(self) -> float:
@@ -321,22 +328,25 @@ class MovementTime:
 
 
 def overlapped_exposure(pull_ms: np.ndarray, push_ms: np.ndarray, stage: np.ndarray, first_ms: np.ndarray,
-                        last_ms: np.ndarray, windows: int) -> tuple[np.ndarray, np.ndarray]:
+                        last_ms: np.ndarray, windows: int,
+                        ahead_ms: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the overlapped runtime's (stall, tail) in ms: how much later its forward ends than with its
     parameters in place, and how long its push runs after its last backward, less what the stages after it
     leave it (a later stage ends its last backward ``stage`` backward slots before the first stage).
 
-    The rank's pull (``pull_ms``) arrives in ``windows`` equal shares, window g at (g + 1) pull / W; its stage
+    The rank first spends ``ahead_ms`` on work before its compute and its transfers (memory:
+    :attr:`MovementTime.pull_ahead_ranks` and ``push_ahead_ranks``, not in ``pull_ms`` or ``push_ms``); then its
+    pull (``pull_ms``) arrives in ``windows`` equal shares, window g at ahead + (g + 1) pull / W; its stage
     (``stage``) starts the first forward after ``stage`` forward slots of the pipeline filling and computes
     window g after window g - 1 for first_fwd / W, where first_fwd is ``FORWARD_SHARE`` of ``first_ms`` (the
     first micro-batch's time on one stage). Its push (``push_ms``) leaves window by window, each share once
     the last backward (last_bwd = the rest of ``last_ms``) has finished it, in reverse order, one after
     another. Both are linear in g, so their worst window is the first or the last:
-    stall = max(0, pull / W - s fwd, pull - s fwd - (W - 1) fwd / W);
+    stall = max(0, ahead + pull / W - s fwd, ahead + pull - s fwd - (W - 1) fwd / W);
     tail = max(0, max(push / W, push - (W - 1) bwd / W) - s bwd)."""
     w = float(windows)
     fwd, bwd = FORWARD_SHARE * first_ms, (1 - FORWARD_SHARE) * last_ms
-    waited = stage * fwd
+    waited = stage * fwd - ahead_ms
     stall = np.maximum(0.0, np.maximum(pull_ms / w - waited, pull_ms - waited - (w - 1) * fwd / w))
     tail = np.maximum(0.0, np.maximum(push_ms / w, push_ms - (w - 1) * bwd / w) - stage * bwd)
     return stall, tail
@@ -457,6 +467,24 @@ def _buffer_ms(layout: ComputeLayout, strategy: Strategy, links: Links, param_by
     return pull, push
 
 
+def _ahead_ms(layout: ComputeLayout, strategy: Strategy, links: Links,
+              param_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the ms of the memory work the overlapped runtime does before its compute and its transfers
+    start (the executor's pull phase: ``StageParams.zero_grads`` and ``runtime.overlap.MovementInFlight``'s
+    set-up), of what :func:`_buffer_ms` counts: of the pull, the zeroed gradient buffer and its own slices
+    copied into the compute copy; of the push, the zeroed fp32 shard gradient. The rest of both travels beside
+    the compute (the other slices land in the compute copy as their windows arrive)."""
+    where = places(strategy, links.gpus_per_node)
+    world = len(where)
+    parts = {p: _owner_parts(layout, p, world) for p in dict.fromkeys(where)}
+    elements = np.stack([parts[p][0] for p in where], axis=1)  # [owner k, rank r, region g]
+    local = elements[np.arange(world), np.arange(world)].sum(axis=1)
+    needs = elements.sum(axis=(0, 2))
+    pull = links.fresh_ms(1) * (needs + local) * param_bytes
+    push = np.full(world, links.fresh_ms(1) * SHARD_BYTES * layout.shard_numel(world))
+    return pull, push
+
+
 def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, param_bytes: int = 2,
                   reduce_bytes: int = 4, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
                   columns: dict[tuple[Place, int], np.ndarray] | None = None) -> MovementTime:
@@ -471,11 +499,24 @@ def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, pa
     node = np.arange(elements.shape[0]) // links.gpus_per_node
     pull = _rounds_ready(elements, node, links, param_bytes, chunk_numel)
     push = _rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
+    pull_ahead = push_ahead = np.zeros(len(node))
     if links.fresh_gbps is not None or links.warm_gbps is not None:
         pull_memory, push_memory = _buffer_ms(layout, strategy, links, param_bytes, reduce_bytes, chunk_numel)
         pull, push = pull + pull_memory, push + push_memory
+        pull_ahead, push_ahead = _ahead_ms(layout, strategy, links, param_bytes)
     return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)),
-                        pull_ranks=tuple(float(x) for x in pull), push_ranks=tuple(float(x) for x in push))
+                        pull_ranks=tuple(float(x) for x in pull), push_ranks=tuple(float(x) for x in push),
+                        pull_ahead_ranks=tuple(float(x) for x in pull_ahead),
+                        push_ahead_ranks=tuple(float(x) for x in push_ahead))
+
+
+def _beside_and_ahead(t: MovementTime) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank, of ``t``: the pull and the push the overlapped runtime runs beside the compute, and the work it
+    does before both (zeros where none is counted)."""
+    pull, push = np.asarray(t.pull_ranks, dtype=np.float64), np.asarray(t.push_ranks, dtype=np.float64)
+    pull_ahead = np.asarray(t.pull_ahead_ranks or np.zeros(len(pull)), dtype=np.float64)
+    push_ahead = np.asarray(t.push_ahead_ranks or np.zeros(len(push)), dtype=np.float64)
+    return pull - pull_ahead, push - push_ahead, pull_ahead + push_ahead
 
 
 class MovementCost:
@@ -608,21 +649,23 @@ class MovementCost:
         t = self.time(strategy)
         if self.mode == "plain":
             return t.total_ms
-        return self._overlapped_estimate(strategy, np.asarray(t.pull_ranks), np.asarray(t.push_ranks))
+        return self._overlapped_estimate(strategy, *_beside_and_ahead(t))
 
-    def _overlapped_estimate(self, strategy: Strategy, pull: np.ndarray, push: np.ndarray) -> float:
-        """:meth:`exposed_ms` under the overlapped runtime, from each rank's pull and push."""
+    def _overlapped_estimate(self, strategy: Strategy, pull: np.ndarray, push: np.ndarray,
+                             ahead: np.ndarray | float = 0.0) -> float:
+        """:meth:`exposed_ms` under the overlapped runtime, from each rank's pull and push beside the compute and
+        its work before them (``ahead``)."""
         if strategy.gpus < 2:
             return 0.0
         both = pull + push
         stage, members = self._rank_places(strategy)
         if self.edge_ms is None:
-            exposed = float(both.max(initial=0.0)) / self.windows
+            exposed = float((both / self.windows + ahead).max(initial=0.0))
         else:  # each rank's first forward and last backward those of the longest micro-batch its scheme runs
             edge = np.zeros(len(both))
             for ranks, scheme in zip(members, strategy.replicas()):
                 edge[ranks] = self.edge_ms.get(scheme, 0.0)
-            stall, tail = overlapped_exposure(pull, push, stage, edge, edge, self.windows)
+            stall, tail = overlapped_exposure(pull, push, stage, edge, edge, self.windows, ahead)
             exposed = float((stall + tail).max(initial=0.0))
         if not self.slowdown:
             return exposed
@@ -644,15 +687,14 @@ class MovementCost:
         if self.mode == "plain" or strategy.gpus < 2:
             return max(replica_ms, default=0.0) + self.exposed_ms(strategy)
         stage, members = self._rank_places(strategy)
-        t = self.time(strategy)
-        pull, push = np.asarray(t.pull_ranks), np.asarray(t.push_ranks)
+        pull, push, ahead = _beside_and_ahead(self.time(strategy))
         first, last = np.zeros(len(pull)), np.zeros(len(pull))
         for ranks, (f, b) in zip(members, edges):
             first[ranks], last[ranks] = f, b
-        stall, tail = overlapped_exposure(pull, push, stage, first, last, self.windows)
+        stall, tail = overlapped_exposure(pull, push, stage, first, last, self.windows, ahead)
         # transfers slow the compute only where they overlap it: not while a later stage waits for the pipeline
-        # to fill (its pull) or an earlier one finishes the last backwards (its push)
-        beside = (np.maximum(0.0, pull - stage * FORWARD_SHARE * first)
+        # to fill (its pull, from when its work ahead is done) or an earlier one finishes the last backwards
+        beside = (np.maximum(0.0, pull - np.maximum(0.0, stage * FORWARD_SHARE * first - ahead))
                   + np.maximum(0.0, push - stage * (1 - FORWARD_SHARE) * last))
         ends = []
         for ranks, ms in zip(members, replica_ms):
