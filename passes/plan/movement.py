@@ -432,8 +432,16 @@ SHARD_BYTES = 4
 """Bytes of one element of the owners' shards (fp32 master weights and their gradients)."""
 
 
-def _buffer_ms(layout: ComputeLayout, strategy: Strategy, links: Links, param_bytes: int, reduce_bytes: int,
-               chunk_numel: int) -> tuple[np.ndarray, np.ndarray]:
+def _owner_elements(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per (owner k, rank r, region g) of ``strategy`` placed on nodes of ``gpus_per_node``: the elements of
+    owner k's shard rank r computes with in region g, and the ranges they lie in."""
+    where = places(strategy, gpus_per_node)
+    parts = {p: _owner_parts(layout, p, len(where)) for p in dict.fromkeys(where)}
+    return (np.stack([parts[p][0] for p in where], axis=1), np.stack([parts[p][1] for p in where], axis=1))
+
+
+def _buffer_ms(layout: ComputeLayout, owners: tuple[np.ndarray, np.ndarray], links: Links, param_bytes: int,
+               reduce_bytes: int, chunk_numel: int) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the ms its pull and its push spend on memory besides the transfers, as the runtime spends it
     (``runtime.redistribute`` and the executor): new buffers written at ``links.fresh_gbps`` and freed at
     ``links.freed_gbps``, copies and sums between written ones at ``links.warm_gbps``. Pull: the compute copy
@@ -441,12 +449,11 @@ def _buffer_ms(layout: ComputeLayout, strategy: Strategy, links: Links, param_by
     several ranges of its shard or casts (the largest of them) and the gathering itself. Push: the zeroed
     fp32 shard gradient, one receive buffer (its largest message) and, where the gradients' dtype is not the
     reduction's, one cast buffer and the cast itself, both freed with the gradient buffer at the end; and the
-    sums into the shard gradient of its own and every received gradient."""
-    where = places(strategy, links.gpus_per_node)
-    world = len(where)
-    parts = {p: _owner_parts(layout, p, world) for p in dict.fromkeys(where)}
-    elements = np.stack([parts[p][0] for p in where], axis=1)  # [owner k, rank r, region g]
-    gathered = np.stack([parts[p][1] for p in where], axis=1) > 1
+    sums into the shard gradient of its own and every received gradient (``owners``: :func:`_owner_elements`)."""
+    elements, ranges = owners
+    elements = elements.copy()  # [owner k, rank r, region g]
+    world = elements.shape[1]
+    gathered = ranges > 1
     local = elements[np.arange(world), np.arange(world)].sum(axis=1)
     elements[np.arange(world), np.arange(world)] = 0
     needs = elements.sum(axis=(0, 2)) + local
@@ -467,17 +474,15 @@ def _buffer_ms(layout: ComputeLayout, strategy: Strategy, links: Links, param_by
     return pull, push
 
 
-def _ahead_ms(layout: ComputeLayout, strategy: Strategy, links: Links,
+def _ahead_ms(layout: ComputeLayout, elements: np.ndarray, links: Links,
               param_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the ms of the memory work the overlapped runtime does before its compute and its transfers
     start (the executor's pull phase: ``StageParams.zero_grads`` and ``runtime.overlap.MovementInFlight``'s
     set-up), of what :func:`_buffer_ms` counts: of the pull, the zeroed gradient buffer and its own slices
     copied into the compute copy; of the push, the zeroed fp32 shard gradient. The rest of both travels beside
-    the compute (the other slices land in the compute copy as their windows arrive)."""
-    where = places(strategy, links.gpus_per_node)
-    world = len(where)
-    parts = {p: _owner_parts(layout, p, world) for p in dict.fromkeys(where)}
-    elements = np.stack([parts[p][0] for p in where], axis=1)  # [owner k, rank r, region g]
+    the compute (the other slices land in the compute copy as their windows arrive). ``elements``: per (owner,
+    rank, region), as :func:`_owner_elements` counts them."""
+    world = elements.shape[1]
     local = elements[np.arange(world), np.arange(world)].sum(axis=1)
     needs = elements.sum(axis=(0, 2))
     pull = links.fresh_ms(1) * (needs + local) * param_bytes
@@ -501,9 +506,10 @@ def movement_time(layout: ComputeLayout, strategy: Strategy, links: Links, *, pa
     push = _rounds_ready(elements.T, node, links, reduce_bytes, chunk_numel)
     pull_ahead = push_ahead = np.zeros(len(node))
     if links.fresh_gbps is not None or links.warm_gbps is not None:
-        pull_memory, push_memory = _buffer_ms(layout, strategy, links, param_bytes, reduce_bytes, chunk_numel)
+        owners = _owner_elements(layout, strategy, links.gpus_per_node)
+        pull_memory, push_memory = _buffer_ms(layout, owners, links, param_bytes, reduce_bytes, chunk_numel)
         pull, push = pull + pull_memory, push + push_memory
-        pull_ahead, push_ahead = _ahead_ms(layout, strategy, links, param_bytes)
+        pull_ahead, push_ahead = _ahead_ms(layout, owners[0], links, param_bytes)
     return MovementTime(pull_ms=float(pull.max(initial=0.0)), push_ms=float(push.max(initial=0.0)),
                         pull_ranks=tuple(float(x) for x in pull), push_ranks=tuple(float(x) for x in push),
                         pull_ahead_ranks=tuple(float(x) for x in pull_ahead),
