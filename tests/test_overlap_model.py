@@ -119,7 +119,8 @@ def _ahead_by_hand(layout, strategy: Strategy, links: Links, param_bytes: int) -
     """Per rank, the overlapped runtime's set-up memory counted from the layout's own ranges: the zeroed
     gradient buffer (every element the rank computes with), its own slices (those inside its shard) and the
     zeroed fp32 shard gradient, at the fresh-memory rate."""
-    from passes.plan.movement import assign_ranks, compute_scheme
+    from passes.plan.movement import compute_scheme
+    from passes.plan.placement import assign_ranks
 
     world, rate = strategy.gpus, links.fresh_gbps * 1e6
     pull, push = [0.0] * world, [0.0] * world

@@ -33,7 +33,7 @@ def shared_work(ms: Sequence[float], ranks: Sequence[int], slots: float) -> list
     replica starts at 0 and the node runs ``slots`` ranks at full speed (a replica with no ranks here: 0)."""
     _check(ranks, slots)
     order = sorted(range(len(ms)), key=lambda i: ms[i])
-    busy = sum(r for r in ranks)
+    busy = sum(ranks)
     work, now, done = [0.0] * len(ms), 0.0, 0.0
     for i in order:
         if busy > 0:
