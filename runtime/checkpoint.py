@@ -16,12 +16,18 @@ gone is taken over), writes a new version beside the current one, flushes every 
 every rank succeeded, and only then points ``LATEST`` at it (written under a name of its own save, then an
 atomic rename) and removes older versions beyond the last ``keep``: only folders it recognises as its own
 versions, by name and by its marker inside; nothing else in the folder is ever touched. A crash at any moment
-leaves ``LATEST`` naming a complete checkpoint.
+leaves ``LATEST`` naming a complete checkpoint. A version is removed by renaming it to ``.<version>.del`` and
+then emptying it, its marker last, so a clean-up killed at any moment leaves a folder the next save recognises
+and finishes removing. Every file a save writes or removes is opened without following links (``O_NOFOLLOW``,
+``lstat``): a symbolic link where its own file goes (the lock, ``LATEST``, a temporary) is refused by name, the
+link and its target left as they are.
 Loading reads safetensors and JSON only (no pickle, so a crafted file runs no code); every rank checks the
 metadata's types, the checksum of every file it reads, every piece's dtype (float32) and element count
 against the layout and that the values are finite, reads what it needs for its shard (any number of ranks,
 any strategy pool) into memory, the ranks agree that all of them succeeded, and only then is anything
-changed.
+changed. Every rank reads the version rank 0 finds in ``LATEST``; a load that loses a race with a concurrent
+save's clean-up (a file of its version gone and ``LATEST`` naming a newer one) reads the newer one, on every
+rank alike, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
@@ -59,6 +66,11 @@ LOCK = ".hydraulis-lock"
 _VERSION = re.compile(r"v\d{8,}-[0-9a-f]+")
 _STALE = re.compile(r"\.v\d{8,}-[0-9a-f]+\.tmp")
 _STALE_LATEST = re.compile(r"\.LATEST\.v\d{8,}-[0-9a-f]+\.tmp")
+_DELETING = re.compile(r"\.v\d{8,}-[0-9a-f]+\.del")
+"""An old version being removed: renamed to ``.<version>.del`` (marker inside) before anything in it is removed."""
+_LINK = "is a symbolic link; hydraulis does not write through links"
+_LOAD_TRIES = 8
+"""Versions a load tries when a concurrent save's clean-up removes the version it is reading."""
 
 
 class CheckpointError(RuntimeError):
@@ -76,8 +88,9 @@ def _agree(error: str | None, action: str, payload: Any = None) -> list:
     return [p for _, p in gathered]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: Path, follow: bool = False) -> None:
+    """Flush ``path`` to disk; opened without following a link unless ``follow`` (the checkpoint folder)."""
+    fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
     try:
         os.fsync(fd)
     finally:
@@ -87,6 +100,57 @@ def _fsync(path: Path) -> None:
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _refuse_link(file: Path) -> None:
+    """A CheckpointError naming ``file`` when it is a symbolic link (the link and its target stay as they are)."""
+    if file.is_symlink():
+        raise CheckpointError(f"{str(file)!r} {_LINK}: not saved (remove the link, or save into another folder)")
+
+
+def _create(file: Path) -> int:
+    """``file`` created and opened for writing, never through a link: an entry already there (a link planted
+    where this save's own file goes) is refused by name and left as it is."""
+    try:
+        return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        _refuse_link(file)
+        raise CheckpointError(f"{str(file)!r} already exists: not saved") from None
+
+
+def _write_new(file: Path, text: str) -> None:
+    """Write and flush a new file ``file`` (see :func:`_create`); removed again if writing it fails."""
+    fd = _create(file)
+    try:
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException:
+        file.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _mkdir_new(folder: Path) -> None:
+    """Create the folder ``folder``; an entry already there (a link, ...) is refused by name, left as it is."""
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        _refuse_link(folder)
+        raise CheckpointError(f"{str(folder)!r} already exists: not saved") from None
+
+
+def _read_small(file: Path, limit: int = 1 << 16) -> str:
+    """The first ``limit`` bytes of the regular file ``file`` as text, never read through a link (OSError)."""
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(file))
+        return os.read(fd, limit).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _pieces(layout: FixedLayout, owner: int) -> list[tuple[str, int, int, int]]:
@@ -136,7 +200,9 @@ def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.opti
                     data_position: Any, extra: dict | None = None, keep: int = DEFAULT_KEEP) -> None:
     """Collective: write a new version of the checkpoint at ``path``, make it the current one, and remove this
     checkpoint's versions older than the last ``keep`` (nothing else in ``path`` is touched). A folder another
-    save holds (its lock, ``.hydraulis-lock``, names the host and pid) is refused on every rank, unchanged."""
+    save holds (its lock, ``.hydraulis-lock``, names the host and pid) is refused on every rank, unchanged; so
+    is a symbolic link where one of the save's own files goes (the lock, ``LATEST``): nothing is written
+    through a link."""
     _agree(_save_problem(step, data_position, keep), "saving the checkpoint")
     path = Path(path)
     version = comm.broadcast_object(f"v{step:08d}-{time.time_ns():x}")  # rank 0's name, everywhere
@@ -148,9 +214,10 @@ def save_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.opti
                     raise CheckpointError(f"{str(path)!r} is a file, expected a checkpoint folder")
                 path.mkdir(parents=True, exist_ok=True)
                 held.enter_context(folder_lock(path))
+                _refuse_link(path / "LATEST")
                 tmp = path / f".{version}.tmp"
-                tmp.mkdir()
-                (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "version": version}) + "\n")
+                _mkdir_new(tmp)
+                _write_new(tmp / MARKER, json.dumps({"format": FORMAT, "version": version}) + "\n")
         except (OSError, CheckpointError) as exc:
             error = str(exc)
         _agree(error, "creating the checkpoint folder")
@@ -173,7 +240,7 @@ def _write_and_publish(path: Path, version: str, layout: FixedLayout, optimizer:
         digests = _agree(error, "writing the checkpoint", digest)
     except CheckpointError:
         if layout.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_quietly(tmp)
         raise
     error = None
     try:
@@ -184,7 +251,7 @@ def _write_and_publish(path: Path, version: str, layout: FixedLayout, optimizer:
             _remove_old_versions(path, version, keep)
     except Exception as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_quietly(tmp)
     return error
 
 
@@ -193,10 +260,12 @@ def folder_lock(path: Path) -> Iterator[None]:
     """Hold ``path``'s save lock: an exclusive ``flock`` on ``path/.hydraulis-lock``, which names this host and
     pid, removed on exit. Held by another process: a CheckpointError naming its owner. A lock file whose owner
     is gone holds no ``flock`` (the kernel drops it with the process) and is taken over. On a file system
-    without ``flock`` the file alone decides: one naming a live process (or one on another host) refuses."""
+    without ``flock`` the file alone decides: one naming a live process (or one on another host) refuses. The
+    file is never opened through a link: a symbolic link (or anything but a file) there is refused by name,
+    left as it is, and so is its target."""
     file = path / LOCK
     for _ in range(8):  # another save may remove the file between our open and our flock: open it again
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(file)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -208,7 +277,7 @@ def folder_lock(path: Path) -> Iterator[None]:
             raise CheckpointError(f"{str(path)!r} is being saved by {_owner(file)} (lock file {str(file)!r}): not "
                                   f"saved; save again once that save has ended, or into another folder") from None
         try:
-            if os.fstat(fd).st_ino == os.stat(file).st_ino:
+            if _same_file(fd, file):
                 break
         except FileNotFoundError:
             pass
@@ -222,8 +291,29 @@ def folder_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         with contextlib.suppress(OSError):
-            file.unlink()  # while still held: a save waiting on this file opens it again
+            if _same_file(fd, file):  # ours still (never another entry put there since)
+                file.unlink()  # while still held: a save waiting on this file opens it again
         os.close(fd)
+
+
+def _same_file(fd: int, file: Path) -> bool:
+    """Whether the entry ``file`` (not what a link there points to) is the file open as ``fd``."""
+    here, mine = os.lstat(file), os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _open_lock(file: Path) -> int:
+    """The lock file opened (created if missing) for writing, never through a link."""
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or file.is_symlink():
+            raise CheckpointError(f"{str(file)!r} {_LINK}: not saved (remove the link)") from None
+        raise CheckpointError(f"cannot lock {str(file)!r}: {exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{str(file)!r} is not a file (hydraulis's lock file goes there): not saved")
+    return fd
 
 
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
@@ -234,7 +324,7 @@ def _held_elsewhere(file: Path) -> bool:
     """Without ``flock``: whether the lock file names another process that may still run (one on this host
     that is gone does not hold it; one on another host cannot be asked, so it does)."""
     try:
-        owner = json.loads(file.read_text() or "null")
+        owner = json.loads(_read_small(file) or "null")
     except (OSError, ValueError):
         return True
     if not isinstance(owner, dict):
@@ -258,7 +348,7 @@ def _held_elsewhere(file: Path) -> bool:
 def _owner(file: Path) -> str:
     """Who holds the lock, as its file says."""
     try:
-        owner = json.loads(file.read_text())
+        owner = json.loads(_read_small(file))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner["since"])))
         return f"another process (host {owner['host']}, pid {owner['pid']}, since {since})"
     except (OSError, ValueError, KeyError, TypeError):
@@ -283,43 +373,93 @@ def _write_rank_file(tmp: Path, layout: FixedLayout, optimizer: torch.optim.Opti
     for key, value in scalars.items():
         tensors[f"scalar/{key}"] = torch.as_tensor(value).detach().cpu().reshape(())
     file = tmp / f"rank{layout.rank}.safetensors"
+    os.close(_create(file))  # this save's own, new file: safetensors then writes into it, never through a link
     save_file(tensors, str(file))
     _fsync(file)
-    return {"sha256": _sha256(file), "bytes": file.stat().st_size}
+    return {"sha256": _sha256(file), "bytes": file.lstat().st_size}
 
 
 def _publish(path: Path, tmp: Path, version: str) -> None:
-    """Rename the flushed version into place and point ``LATEST`` at it (an atomic rename)."""
-    tmp.rename(path / version)
-    _fsync(path)
-    latest = path / f".LATEST.{version}.tmp"  # this save's own name: no other save writes it
+    """Rename the flushed version into place and point ``LATEST`` at it (an atomic rename). An entry where the
+    version or ``LATEST``'s temporary goes, or a link as ``LATEST``, is refused by name, left as it is."""
+    target, latest = path / version, path / f".LATEST.{version}.tmp"  # this save's own names
+    _write_new(latest, version + "\n")  # first: a link there is refused before the version moves
     try:
-        latest.write_text(version + "\n")
-        _fsync(latest)
-        os.replace(latest, path / "LATEST")
+        _refuse_link(path / "LATEST")
+        if os.path.lexists(target):
+            _refuse_link(target)
+            raise CheckpointError(f"{str(target)!r} already exists: not saved")
+        tmp.rename(target)
+        _fsync(path, follow=True)
+        os.replace(latest, path / "LATEST")  # replaces the entry LATEST, never writes through it
     except BaseException:
         latest.unlink(missing_ok=True)
         raise
-    _fsync(path)
+    _fsync(path, follow=True)
 
 
 def _own_version(folder: Path, pattern: re.Pattern) -> bool:
-    """Whether ``folder`` is a version a save wrote: its name and the marker inside."""
-    return (pattern.fullmatch(folder.name) is not None and folder.is_dir() and not folder.is_symlink()
-            and (folder / MARKER).is_file())
+    """Whether ``folder`` is a version a save wrote: its name, a folder (not a link) and the marker inside (a
+    file, not a link)."""
+    try:
+        return (pattern.fullmatch(folder.name) is not None and stat.S_ISDIR(os.lstat(folder).st_mode)
+                and stat.S_ISREG(os.lstat(folder / MARKER).st_mode))
+    except OSError:
+        return False
+
+
+def _remove_own(folder: Path) -> None:
+    """Remove ``folder``, one a save wrote (its marker inside), never through a link, in an order that a kill
+    at any moment leaves it recognisable: everything but the marker, then the marker, then the empty folder."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in sorted(os.listdir(fd)):
+            if name == MARKER:
+                continue
+            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(MARKER, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(folder)
+
+
+def _remove_quietly(folder: Path) -> None:
+    """:func:`_remove_own`, leaving whatever it cannot remove to a later save."""
+    with contextlib.suppress(OSError):
+        _remove_own(folder)
 
 
 def _remove_old_versions(path: Path, current: str, keep: int) -> None:
-    """Remove this checkpoint's versions but ``current`` and the newest ``keep - 1`` others, and the unfinished
-    versions of saves that crashed; never a folder without the marker, never a file."""
-    versions = sorted((f for f in path.iterdir() if f.name != current and _own_version(f, _VERSION)),
-                      key=lambda f: int(f.name.rsplit("-", 1)[1], 16), reverse=True)
-    stale = [f for f in path.iterdir() if _own_version(f, _STALE)]
-    for old in [*versions[keep - 1:], *stale]:
-        shutil.rmtree(old, ignore_errors=True)
-    for old in path.iterdir():  # a LATEST a crashed save wrote and did not rename
-        if _STALE_LATEST.fullmatch(old.name) and old.is_file() and not old.is_symlink():
-            old.unlink(missing_ok=True)
+    """Remove this checkpoint's versions but ``current`` and the newest ``keep - 1`` others, the unfinished
+    versions of saves that crashed and what a killed clean-up left; never a folder without the marker (but an
+    empty one of a name only a save gives, ``.<version>.tmp`` or ``.del``), never a file but a crashed save's
+    ``LATEST`` temporary, never through a link. A version is first renamed to ``.<version>.del`` (the marker
+    inside), then emptied, the marker last: a clean-up killed at any moment leaves a folder the next save
+    recognises and finishes removing. Best effort: what cannot be removed is left to a later save."""
+    versions = sorted((n for n in os.listdir(path) if n != current and _own_version(path / n, _VERSION)),
+                      key=lambda n: int(n.rsplit("-", 1)[1], 16), reverse=True)
+    for name in versions[keep - 1:]:
+        deleting = path / f".{name}.del"
+        with contextlib.suppress(OSError):
+            os.rename(path / name, deleting)  # refused (kept) when an entry that is not an empty folder is there
+            if not _own_version(deleting, _DELETING):  # replaced by something else since it was checked: put back
+                os.rename(deleting, path / name)
+    for name in sorted(os.listdir(path)):
+        entry = path / name
+        if _DELETING.fullmatch(name) or _STALE.fullmatch(name):
+            if _own_version(entry, _DELETING) or _own_version(entry, _STALE):
+                _remove_quietly(entry)
+            else:  # a killed clean-up's empty folder (rmdir removes only an empty folder, never a link)
+                with contextlib.suppress(OSError):
+                    os.rmdir(entry)
+        elif _STALE_LATEST.fullmatch(name):  # a LATEST a crashed save wrote and did not rename
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(entry).st_mode):
+                    entry.unlink()
 
 
 def _write_meta(folder: Path, layout: FixedLayout, optimizer: torch.optim.Optimizer, step: int,
@@ -338,21 +478,37 @@ def _write_meta(folder: Path, layout: FixedLayout, optimizer: torch.optim.Optimi
         "optimizer": {"class": type(optimizer).__name__, "param_groups": groups, "per_element": sorted(per_element)},
         "extra": extra or {},
     }
-    file = folder / "meta.json"
-    file.write_text(json.dumps(meta, allow_nan=False))
-    _fsync(file)
+    _write_new(folder / "meta.json", json.dumps(meta, allow_nan=False))
 
 
-def _read_meta(path: Path) -> tuple[Path, dict]:
+class _Gone(CheckpointError):
+    """A file of the version being loaded is not there (a concurrent save's clean-up may have removed it)."""
+
+
+def _latest(path: Path) -> str:
+    """The version ``LATEST`` names (read without following a link)."""
     latest = path / "LATEST"
-    if not latest.is_file():
-        raise CheckpointError(f"no checkpoint at {str(path)!r} (no LATEST file)")
-    name = latest.read_text().strip()
+    try:
+        text = _read_small(latest, 4096)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {str(path)!r} (no LATEST file)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{str(latest)!r} is a symbolic link; hydraulis does not read LATEST through "
+                                  f"links") from None
+        raise CheckpointError(f"no checkpoint at {str(path)!r} (LATEST is not a readable file: {exc})") from None
+    name = text.strip()
     if _VERSION.fullmatch(name) is None:
         raise CheckpointError(f"{str(latest)!r} names {name[:80]!r}, not a checkpoint version")
-    folder = path / name
+    return name
+
+
+def _read_meta(folder: Path) -> dict:
+    """The checked ``meta.json`` of the version ``folder``."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
+    except FileNotFoundError as exc:
+        raise _Gone(f"checkpoint {str(folder)!r} has no readable meta.json: {exc}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {str(folder)!r} has no readable meta.json: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -360,7 +516,7 @@ def _read_meta(path: Path) -> tuple[Path, dict]:
         raise CheckpointError(f"checkpoint {str(folder)!r} is of format {found!r}, this version reads {FORMAT}")
     if (problem := meta_problem(meta)) is not None:
         raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
-    return folder, meta
+    return meta
 
 
 def _check_layout(meta: dict, layout: FixedLayout, optimizer: torch.optim.Optimizer, where: str) -> None:
@@ -380,22 +536,30 @@ def _check_layout(meta: dict, layout: FixedLayout, optimizer: torch.optim.Optimi
                               f"{type(optimizer).__name__}")
 
 
-def _verified(folder: Path, meta: dict, rank: int) -> Any:
-    """Rank ``rank``'s file, opened once its size and sha256 are those ``meta.json`` lists."""
+def _open_rank_file(folder: Path, meta: dict, rank: int) -> Any:
+    """Rank ``rank``'s file, open (a concurrent save's clean-up removing it afterwards changes nothing)."""
+    name = f"rank{rank}.safetensors"
+    if meta["files"].get(name) is None:
+        raise CheckpointError(f"meta.json lists no checksum for {name}")
+    return open(folder / name, "rb")  # noqa: SIM115 - closed by the caller
+
+
+def _verified(handle: Any, meta: dict, rank: int) -> Any:
+    """Rank ``rank``'s file, open as ``handle``, read once its size and sha256 are those ``meta.json`` lists
+    (the very file checked is the one read)."""
     from safetensors import safe_open
 
     name = f"rank{rank}.safetensors"
-    expected, file = meta["files"].get(name), folder / name
-    if expected is None:
-        raise CheckpointError(f"meta.json lists no checksum for {name}")
-    size = file.stat().st_size
+    expected = meta["files"][name]
+    size = os.fstat(handle.fileno()).st_size
     if size != expected["bytes"]:
         raise CheckpointError(f"{name} is damaged: {size} bytes, meta.json says {expected['bytes']}")
-    digest = _sha256(file)
+    digest = hashlib.file_digest(handle, "sha256").hexdigest()
     if digest != expected["sha256"]:
         raise CheckpointError(f"{name} is damaged: its sha256 is {digest[:16]}..., meta.json says "
                               f"{expected['sha256'][:16]}...")
-    return safe_open(str(file), framework="pt")
+    same = f"/proc/self/fd/{handle.fileno()}"  # the open file, even once removed (Linux)
+    return safe_open(same if os.path.exists(same) else handle.name, framework="pt")
 
 
 def _piece(file: Any, key: str, numel: int, rank: int) -> Any:
@@ -417,11 +581,19 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
     files whose checksums match, with every value finite."""
     shard = torch.zeros(layout.shard_numel, dtype=torch.float32)
     states = {k: torch.zeros(layout.shard_numel, dtype=torch.float32) for k in meta["optimizer"]["per_element"]}
-    files: dict[int, Any] = {}
+    own = layout.rank if layout.rank < meta["world_size"] else 0
+    needed = {own} | {r for name, a, b, _ in _pieces(layout, layout.rank) for r, pa, pb in meta["pieces"][name]
+                      if min(b, pb) > max(a, pa)}
+    handles: dict[int, Any] = {}
+    try:  # every file opened before any is read: the window a concurrent save's clean-up can hit is short
+        for rank in sorted(needed):
+            handles[rank] = _open_rank_file(folder, meta, rank)
+        files = {rank: _verified(handle, meta, rank) for rank, handle in handles.items()}
+    finally:
+        for handle in handles.values():
+            handle.close()
 
     def opened(rank: int) -> Any:
-        if rank not in files:
-            files[rank] = _verified(folder, meta, rank)
         return files[rank]
 
     for name, a, b, start in _pieces(layout, layout.rank):
@@ -433,7 +605,6 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
             shard[dst:dst + y - x] = _piece(opened(rank), f"param/{name}/{pa}", pb - pa, rank)[x - pa:y - pa]
             for key, value in states.items():
                 value[dst:dst + y - x] = _piece(opened(rank), f"{key}/{name}/{pa}", pb - pa, rank)[x - pa:y - pa]
-    own = layout.rank if layout.rank < meta["world_size"] else 0
     keys = [k for k in opened(own).keys() if k.startswith("scalar/")]
     scalars = {k.split("/", 1)[1]: opened(own).get_tensor(k) for k in keys}
     rng = opened(layout.rank).get_tensor("rng") if meta["world_size"] == layout.world_size else None
@@ -444,6 +615,35 @@ def _read_shard(folder: Path, meta: dict, layout: FixedLayout) -> tuple:
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise CheckpointError(f"optimizer state {key!r} is {value.item()}")
     return shard, states, scalars, rng
+
+
+def _named(path: Path) -> tuple[str | None, str | None]:
+    """(the version ``LATEST`` names, None) or (None, why there is none)."""
+    try:
+        return _latest(path), None
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
+def _load_version(path: Path, name: str, layout: FixedLayout, optimizer: torch.optim.Optimizer,
+                  override: Collection[str], check_extra: Callable[[dict], str | None] | None) -> tuple:
+    """(error or None, whether a file was gone, what this rank loads from version ``name``), nothing changed."""
+    folder = path / name
+    try:
+        meta = _read_meta(folder)
+        _check_layout(meta, layout, optimizer, repr(str(folder)))
+        if check_extra is not None and (problem := check_extra(meta["extra"])) is not None:
+            raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
+        groups = _restored_groups(meta, optimizer, override)
+        return None, False, (meta, groups, *_read_shard(folder, meta, layout))
+    except _Gone as exc:
+        return str(exc), True, None
+    except CheckpointError as exc:
+        return str(exc), False, None
+    except FileNotFoundError as exc:
+        return f"reading {str(path)!r}: {type(exc).__name__}: {exc}", True, None
+    except Exception as exc:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
+        return f"reading {str(path)!r}: {type(exc).__name__}: {exc}", False, None
 
 
 def _restored_groups(meta: dict, optimizer: torch.optim.Optimizer, override: Collection[str]) -> list[dict]:
@@ -465,21 +665,31 @@ def load_checkpoint(path: str | Path, layout: FixedLayout, optimizer: torch.opti
     ...). ``override``: param-group entries (``lr``, ``weight_decay``, ...) the caller set explicitly, which
     keep their current values. ``check_extra``: what is wrong with the caller's ``extra`` (None: nothing),
     asked before anything changes. On any rank's failure every rank raises the same :class:`CheckpointError`
-    and nothing has changed."""
+    and nothing has changed. Every rank reads the version rank 0 finds in ``LATEST``; when a file of it is gone
+    and ``LATEST`` meanwhile names another version (a concurrent save's clean-up removed the one being read),
+    every rank reads that one instead, up to ``_LOAD_TRIES`` versions; a file gone while ``LATEST`` still
+    names its version is reported as it is."""
     path = Path(path)
-    error, loaded = None, None
-    try:
-        folder, meta = _read_meta(path)
-        _check_layout(meta, layout, optimizer, repr(str(folder)))
-        if check_extra is not None and (problem := check_extra(meta["extra"])) is not None:
-            raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
-        groups = _restored_groups(meta, optimizer, override)
-        loaded = (meta, groups, *_read_shard(folder, meta, layout))
-    except CheckpointError as exc:
-        error = str(exc)
-    except Exception as exc:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
-        error = f"reading {str(path)!r}: {type(exc).__name__}: {exc}"
-    _agree(error, "loading the checkpoint")
+    gone: tuple[str, str] | None = None  # (version, every rank's error) of the last try, when files were gone
+    for _ in range(_LOAD_TRIES):
+        name, problem = comm.broadcast_object(_named(path) if layout.rank == 0 else None)
+        if problem is None and gone is not None and name == gone[0]:
+            raise CheckpointError(gone[1])  # still current, a file missing: damage, not a race
+        if problem is not None:
+            raise CheckpointError(f"loading the checkpoint failed on rank 0: {problem}")
+        error, vanished, loaded = _load_version(path, name, layout, optimizer, override, check_extra)
+        failed = [(r, e, v) for r, (e, v) in enumerate(comm.all_gather_object((error, vanished))) if e is not None]
+        if not failed:
+            break
+        rank, message, _ = next((f for f in failed if not f[2]), failed[0])
+        message = f"loading the checkpoint failed on rank {rank}: {message}"
+        if not all(v for _, _, v in failed):
+            raise CheckpointError(message)
+        gone = (name, message)
+    else:
+        raise CheckpointError(f"loading the checkpoint at {str(path)!r} failed: {_LOAD_TRIES} versions in a row "
+                              f"were removed by concurrent saves while being read; load again, or save with "
+                              f"keep=2 or more")
     meta, groups, shard, states, scalars, rng = loaded
     with torch.no_grad():
         layout.shard.copy_(shard.to(layout.shard.device))

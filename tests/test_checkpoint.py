@@ -396,3 +396,381 @@ def test_a_lock_file_without_flock_is_held_while_its_owner_may_run(tmp_path):
                         (None, False)):
         file.write_text(json.dumps(owner) if owner is not None else "")
         assert _held_elsewhere(file) is held, owner
+
+
+# --- links where a save writes, kills during the clean-up, loads racing saves (issue 56) ------------------------
+
+
+def _sgd(value: float = 1.0):
+    from runtime.fixed_layout import FixedLayout
+
+    layout = FixedLayout.from_tensors({"w": torch.full((8, 8), value)}, 0, 1)
+    return layout, torch.optim.SGD([layout.shard], lr=0.1)
+
+
+def _snapshot(root: Path) -> dict[str, str | bytes]:
+    """Every entry under ``root`` (links not followed): a link's target, a file's bytes, a folder's mark."""
+    out: dict[str, str | bytes] = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        out[key] = ("-> " + os.readlink(p)) if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+    return out
+
+
+@pytest.mark.parametrize("name", [".hydraulis-lock", "LATEST"])
+def test_a_symlink_where_a_save_writes_is_refused_by_name(tmp_path, name):
+    """A link as the lock or as ``LATEST`` (to a user's file, or to a file that does not exist): the save is
+    refused naming the link, the folder, the link and the user's file are unchanged and nothing is created."""
+    import re
+
+    from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    ckpt, layout, opt = tmp_path / "ckpt", *_sgd()
+    save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
+    victim, missing = tmp_path / "victim.txt", tmp_path / "missing.txt"
+    victim.write_text("the user's notes\n")
+    link = ckpt / name
+    for target in (victim, missing):
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        before = _snapshot(ckpt)
+        with pytest.raises(CheckpointError, match=re.escape(f"'{link}' is a symbolic link; hydraulis does not write "
+                                                            f"through links")):
+            save_checkpoint(ckpt, layout, opt, step=2, data_position=2)
+        assert _snapshot(ckpt) == before and os.readlink(link) == str(target)
+        assert victim.read_text() == "the user's notes\n" and not missing.exists()
+    if name == "LATEST":  # a load does not read through it either (nor quotes the file it points to)
+        with pytest.raises(CheckpointError, match="is a symbolic link; hydraulis does not read LATEST through"):
+            load_checkpoint(ckpt, layout, opt)
+
+
+@pytest.mark.parametrize("planted", ["LATEST temporary", "version temporary", "version"])
+def test_a_symlink_where_a_save_puts_its_temporaries_or_version_is_refused(tmp_path, monkeypatch, planted):
+    """A link planted under the name the next save writes (``.LATEST.<v>.tmp``, ``.<v>.tmp``, ``<v>``), to a
+    user's file or folder: refused naming it, the link and its target unchanged, the previous version current."""
+    import re
+    import time
+
+    from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    ckpt, layout, opt = tmp_path / "ckpt", *_sgd()
+    save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
+    current = _version(ckpt).name
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "data.txt").write_text("keep me")
+    (tmp_path / "victim.txt").write_text("keep me too")
+    monkeypatch.setattr(time, "time_ns", lambda: 0xABC)  # the next save's version: v00000002-abc
+    link, target = {"LATEST temporary": (".LATEST.v00000002-abc.tmp", tmp_path / "victim.txt"),
+                    "version temporary": (".v00000002-abc.tmp", user),
+                    "version": ("v00000002-abc", user)}[planted]
+    link = ckpt / link
+    link.symlink_to(target)
+    before, theirs = _snapshot(ckpt), _snapshot(tmp_path / "user")
+    with pytest.raises(CheckpointError, match=re.escape(f"'{link}' is a symbolic link; hydraulis does not write")):
+        save_checkpoint(ckpt, layout, opt, step=2, data_position=2)
+    monkeypatch.undo()
+    assert _snapshot(ckpt) == before and _snapshot(tmp_path / "user") == theirs
+    assert (tmp_path / "victim.txt").read_text() == "keep me too" and _version(ckpt).name == current
+    assert load_checkpoint(ckpt, layout, opt)["step"] == 1
+    save_checkpoint(ckpt, layout, opt, step=3, data_position=3)  # a later save leaves the link alone
+    assert link.is_symlink() and _snapshot(tmp_path / "user") == theirs
+
+
+class _Killed(BaseException):
+    """What stops a simulated kill: not an Exception, so no handler of the save catches it."""
+
+
+def _kill_clean_up_at(monkeypatch, k: int | None) -> list[str]:
+    """Make every save's clean-up (``_remove_old_versions``) stop dead at its ``k``-th change of the folder (a
+    rename, unlink or rmdir), as a kill would (None: never). Returns the changes it made, in order."""
+    import runtime.checkpoint as mod
+
+    done: list[str] = []
+    armed = [False]
+    real = {n: getattr(os, n) for n in ("rename", "unlink", "rmdir")}
+
+    def counted(name):
+        def change(*args, **kwargs):
+            if armed[0]:
+                if k is not None and len(done) + 1 == k:
+                    armed[0] = False
+                    raise _Killed(f"killed at change {k}")
+                done.append(f"{name} {args[0]}")
+            return real[name](*args, **kwargs)
+        return change
+
+    for name in real:
+        monkeypatch.setattr(os, name, counted(name))
+    clean_up = mod._remove_old_versions
+
+    def armed_clean_up(*args):
+        armed[0] = True
+        try:
+            clean_up(*args)
+        finally:
+            armed[0] = False
+
+    monkeypatch.setattr(mod, "_remove_old_versions", armed_clean_up)
+    return done
+
+
+def _old_versions(ckpt: Path, old: int):
+    """A checkpoint with ``old`` versions (saved with keep=old) and a user's entries of deletion names (a
+    non-empty ``.del`` folder without the marker, a link of that name) and a file: layout, optimiser, entries."""
+    from runtime.checkpoint import save_checkpoint
+
+    layout, opt = _sgd()
+    for step in range(old):
+        save_checkpoint(ckpt, layout, opt, step=step, data_position=step, keep=old)
+    user = ckpt / ".v00000000-1.del"
+    user.mkdir()
+    (user / "data.txt").write_text("keep me")
+    (ckpt / ".v00000000-2.del").symlink_to(user)
+    (ckpt / "notes.txt").write_text("keep me too")
+    return layout, opt, [user.name, ".v00000000-2.del", "notes.txt"]
+
+
+def _killed_clean_ups(tmp_path, monkeypatch, old: int, kills: list[tuple[int, ...]] | None = None) -> int:
+    """For each kill sequence (None: one kill at every change the clean-up makes): a folder of ``old`` versions,
+    a save whose clean-up is killed at change ``k1``, a save killed at ``k2`` (...), then a save that runs; each
+    killed save's version is current and loads, and the folder ends holding exactly ``LATEST``, its version and
+    the user's entries. Returns the number of changes one clean-up makes."""
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    layout, opt, _ = _old_versions(tmp_path / "dry", old)
+    changes = _kill_clean_up_at(monkeypatch, None)
+    save_checkpoint(tmp_path / "dry", layout, opt, step=old, data_position=old)
+    monkeypatch.undo()
+    for n, moments in enumerate(kills or [(k,) for k in range(1, len(changes) + 1)]):
+        ckpt = tmp_path / f"k{n}"
+        layout, opt, theirs = _old_versions(ckpt, old)
+        step = old
+        for k in moments:
+            with torch.no_grad():
+                layout.shard.fill_(step)
+            _kill_clean_up_at(monkeypatch, k)
+            with pytest.raises(_Killed):
+                save_checkpoint(ckpt, layout, opt, step=step, data_position=step)
+            monkeypatch.undo()
+            fresh, fresh_opt = _sgd(0.0)  # published before the clean-up: the killed save's version is current
+            assert load_checkpoint(ckpt, fresh, fresh_opt)["step"] == step
+            assert bool((fresh.shard.detach() == step).all()), (moments, k)
+            step += 1
+        save_checkpoint(ckpt, layout, opt, step=step, data_position=step)
+        names = sorted(p.name for p in ckpt.iterdir())
+        assert names == sorted(["LATEST", _version(ckpt).name, *theirs]), (moments, names)
+        assert (ckpt / theirs[0] / "data.txt").read_text() == "keep me" and (ckpt / theirs[1]).is_symlink()
+    return len(changes)
+
+
+def test_a_kill_at_any_moment_of_the_clean_up_is_finished_by_the_next_save(tmp_path, monkeypatch):
+    """Removing an old version (keep=) killed before each of its changes (the rename to ``.<v>.del``, each
+    file, the marker, the folder, and the attempts on the user's entries): the killed save's version is current
+    and loads, and the next save removes the rest, so the folder holds only ``LATEST``, the current version and
+    the user's entries. Every moment of one old version here; under ``tests/tiers.py`` FULL, every moment of
+    three old versions and two kills in a row."""
+    from tiers import FULL
+
+    from runtime.checkpoint import save_checkpoint
+
+    ckpt, layout, opt = tmp_path / "plain", *_sgd()
+    save_checkpoint(ckpt, layout, opt, step=0, data_position=0)
+    changes = _kill_clean_up_at(monkeypatch, None)
+    save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
+    monkeypatch.undo()
+    assert len(changes) == 5 and changes[0].startswith("rename") and changes[-1].startswith("rmdir"), changes
+    assert changes[-2] == "unlink .hydraulis-version", changes  # the marker last: the folder stays recognisable
+    assert _killed_clean_ups(tmp_path / "one", monkeypatch, 1) == 7  # 5, and rmdir tried on the user's two
+    if FULL:
+        assert _killed_clean_ups(tmp_path / "three", monkeypatch, 3) == 17
+        _killed_clean_ups(tmp_path / "twice", monkeypatch, 3, [(a, b) for a in (1, 4, 7, 12, 17) for b in (1, 3, 5)])
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys, torch
+    import runtime.checkpoint as mod
+    from runtime.fixed_layout import FixedLayout
+    layout = FixedLayout.from_tensors({"w": torch.ones(64)}, 0, 1)
+    opt = torch.optim.SGD([layout.shard], lr=0.1)
+    mod.save_checkpoint(sys.argv[1], layout, opt, step=1, data_position=1)
+    k, changes, real = int(sys.argv[2]), [0], os.unlink
+    def unlink(*args, **kwargs):  # a SIGKILL before the k-th file of the old version is removed
+        changes[0] += 1
+        if changes[0] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    clean_up = mod._remove_old_versions
+    def killing(*args):
+        os.unlink = unlink
+        clean_up(*args)
+    mod._remove_old_versions = killing
+    mod.save_checkpoint(sys.argv[1], layout, opt, step=2, data_position=2)
+""")
+
+
+def test_a_process_killed_while_removing_an_old_version_leaves_what_the_next_save_removes(tmp_path):
+    """A real SIGKILL after the old version was renamed and one of its files removed (the lock file stays): the
+    next save takes the lock over and leaves ``LATEST`` and its version only."""
+    from runtime.checkpoint import LOCK, MARKER, save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MASTER_ADDR", None)
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(ckpt), "2"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    left = sorted(p.name for p in ckpt.iterdir())
+    deleting = [n for n in left if n.endswith(".del")]
+    assert len(deleting) == 1 and LOCK in left and (ckpt / deleting[0] / MARKER).is_file(), left
+    layout, opt = _sgd()
+    save_checkpoint(ckpt, layout, opt, step=3, data_position=3)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", _version(ckpt).name]
+
+
+def test_a_load_whose_version_a_save_removes_meanwhile_loads_the_new_one(tmp_path, monkeypatch):
+    """A save (keep=1) that runs while a load reads ``meta.json`` removes the version being read: the load
+    reads the version ``LATEST`` names now. A rank file missing while ``LATEST`` still names its version is
+    damage, reported as before; a version removed on every try is a bounded error that says to load again."""
+    import runtime.checkpoint as mod
+    from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    ckpt, layout, opt = tmp_path / "ckpt", *_sgd(1.0)
+    save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
+    read_meta, saves, last = mod._read_meta, [2], [3]
+
+    def racing(folder):  # a save by another process, between this load's reading meta.json and its rank files
+        meta = read_meta(folder)
+        if saves[0] <= last[0]:
+            other, other_opt = _sgd(float(saves[0]))
+            save_checkpoint(ckpt, other, other_opt, step=saves[0], data_position=saves[0])
+            saves[0] += 1
+        return meta
+
+    monkeypatch.setattr(mod, "_read_meta", racing)
+    fresh, fresh_opt = _sgd(0.0)
+    assert load_checkpoint(ckpt, fresh, fresh_opt)["step"] == 3  # lost to the saves of 2 and 3, then read 3
+    assert bool((fresh.shard.detach() == 3.0).all())
+    monkeypatch.undo()
+    (_version(ckpt) / "rank0.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="loading the checkpoint failed on rank 0: reading .*FileNotFound"):
+        load_checkpoint(ckpt, fresh, fresh_opt)
+    assert bool((fresh.shard.detach() == 3.0).all())
+    save_checkpoint(ckpt, layout, opt, step=4, data_position=4)
+    saves[0], last[0] = 5, 10**6  # every try loses
+    monkeypatch.setattr(mod, "_read_meta", racing)
+    with pytest.raises(CheckpointError, match="8 versions in a row were removed by concurrent saves while being "
+                                              "read; load again"):
+        load_checkpoint(ckpt, fresh, fresh_opt)
+    assert bool((fresh.shard.detach() == 3.0).all())
+
+
+def _load_while_rank1_sees_its_version_replaced(rank, world, ckpt, newer):
+    """Load on 2 ranks; rank 1, once it read ``meta.json``, points ``LATEST`` at ``newer`` and removes the
+    version being read, as a concurrent save would: (step, every value equal to it, the versions tried)."""
+    import runtime.checkpoint as mod
+    from runtime.fixed_layout import FixedLayout
+
+    read_meta, tries, real = mod._read_meta, [0], mod._load_version
+
+    def racing(folder):
+        meta = read_meta(folder)
+        if rank == 1 and tries[0] == 1:
+            (Path(ckpt) / ".LATEST.swap").write_text(newer + "\n")
+            os.replace(Path(ckpt) / ".LATEST.swap", Path(ckpt) / "LATEST")
+            os.rename(folder, folder.parent / f".{folder.name}.del")
+            mod._remove_own(folder.parent / f".{folder.name}.del")
+        return meta
+
+    def counted(*args):
+        tries[0] += 1
+        return real(*args)
+
+    mod._read_meta, mod._load_version = racing, counted
+    layout = FixedLayout.from_tensors({"w": torch.zeros(8, 8)}, rank, world)
+    meta = mod.load_checkpoint(ckpt, layout, torch.optim.SGD([layout.shard], lr=0.1))
+    return meta["step"], bool((layout.shard.detach() == meta["step"]).all()), tries[0]
+
+
+def test_every_rank_loads_the_same_version_when_one_sees_it_replaced(tmp_path):
+    """Two ranks load while, on rank 1 only, the version is replaced mid-read: both ranks retry together and
+    load the newer version (never one rank the old and the other the new)."""
+    from runtime.checkpoint import save_checkpoint
+
+    ckpt, layout, opt = tmp_path / "ckpt", *_sgd(1.0)
+    save_checkpoint(ckpt, layout, opt, step=1, data_position=1, keep=2)
+    first = _version(ckpt).name
+    with torch.no_grad():
+        layout.shard.fill_(2.0)
+    save_checkpoint(ckpt, layout, opt, step=2, data_position=2, keep=2)
+    newer = _version(ckpt).name
+    (ckpt / "LATEST").write_text(first + "\n")
+    results = run_ranks(2, tmp_path, _load_while_rank1_sees_its_version_replaced, str(ckpt), newer)
+    assert results == [(2, True, 2), (2, True, 2)], results
+
+
+SAVER = textwrap.dedent("""
+    import os, sys, time, torch
+    from runtime.checkpoint import save_checkpoint
+    from runtime.fixed_layout import FixedLayout
+    folder, stop = sys.argv[1], sys.argv[2]
+    layout = FixedLayout.from_tensors({"w": torch.zeros(64, 64), "b": torch.zeros(30)}, 0, 1)
+    opt = torch.optim.SGD([layout.shard], lr=0.1)
+    step = 0
+    while not os.path.exists(stop):
+        with torch.no_grad():
+            layout.shard.fill_(step)
+        save_checkpoint(folder, layout, opt, step=step, data_position=step)  # keep=1: the previous one removed
+        step += 1
+        if step == 1:
+            print("saved", flush=True)
+    print(step, flush=True)
+""")
+
+
+def test_loads_racing_a_saving_process_all_succeed_with_one_version(tmp_path, monkeypatch):
+    """One process saves in a loop (keep=1, every value equal to the step) while this one loads in a loop for
+    2-5 s, each load pausing 10 ms after ``meta.json`` (a slow file system): every load succeeds and gives one
+    version's values (each equal to the step it returns); some lost the race (their version removed while
+    read) and read the newer one."""
+    import time
+
+    import runtime.checkpoint as mod
+    from runtime.checkpoint import load_checkpoint
+    from runtime.fixed_layout import FixedLayout
+
+    folder, stop = tmp_path / "ckpt", tmp_path / "stop"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MASTER_ADDR", None)
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(folder), str(stop)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    tries, real, read_meta = [0], mod._load_version, mod._read_meta
+
+    def counted(*args):
+        tries[0] += 1
+        return real(*args)
+
+    def slow(folder):
+        meta = read_meta(folder)
+        time.sleep(0.01)
+        return meta
+
+    monkeypatch.setattr(mod, "_load_version", counted)
+    monkeypatch.setattr(mod, "_read_meta", slow)
+    layout = FixedLayout.from_tensors({"w": torch.zeros(64, 64), "b": torch.zeros(30)}, 0, 1)
+    opt = torch.optim.SGD([layout.shard], lr=0.1)
+    try:
+        assert saver.stdout.readline().strip() == "saved", saver.stderr.read()[-2000:]
+        loads, steps, start = 0, set(), time.monotonic()
+        while time.monotonic() - start < 5 and (time.monotonic() - start < 2 or tries[0] == loads):
+            meta = load_checkpoint(folder, layout, opt)
+            shard = layout.shard.detach()
+            assert meta["data_position"] == meta["step"] and bool((shard == meta["step"]).all()), meta["step"]
+            loads += 1
+            steps.add(meta["step"])
+        stop.touch()
+        out, err = saver.communicate(timeout=60)
+    finally:
+        saver.kill()
+    assert saver.returncode == 0, err[-2000:]
+    assert loads > 5 and len(steps) > 2 and tries[0] > loads, (loads, len(steps), tries[0], out)
