@@ -1,6 +1,7 @@
 """The way back out: ``Trainer.save_pretrained`` writes a Hugging Face folder that ``from_pretrained`` loads with
 the trained parameters (same logits), from a run on 2 gloo ranks under tensor parallelism; shards and their
-index above a size; bad destinations and non-finite weights refused with the target unchanged."""
+index above a size; bad destinations, non-floating dtypes and non-finite weights refused with the target unchanged;
+persistent buffers written as ``state_dict()`` holds them. Kills during an export: ``test_export_kills.py``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_util import run_ranks  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 import hcompile  # noqa: E402
-from hcompile.export import parse_size, save_pretrained  # noqa: E402
+from hcompile.export import export_dtype, parse_size, save_pretrained  # noqa: E402
 from passes.graph.variant import TokenBuckets  # noqa: E402
 from runtime.fixed_layout import FixedLayout  # noqa: E402
 
@@ -92,3 +94,52 @@ def test_sizes_and_destinations_are_checked(tmp_path):
         save_pretrained(model, layout, tmp_path / "out")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "out"]  # no staging folder left
+
+
+def test_only_floating_dtypes_are_written_and_refusals_write_nothing(tmp_path):
+    model = _model()
+    layout = FixedLayout.from_tensors(dict(model.named_parameters()), 0, 1)
+    for bad in (torch.int64, torch.bool, torch.float8_e4m3fn, "int64", "bfloat", None, True, 16):
+        with pytest.raises(ValueError, match=r"dtype must be a floating dtype: torch.float32, .*got " + repr(bad)[:5]):
+            save_pretrained(model, layout, tmp_path / "out", dtype=bad)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even beside the target
+    for name, dtype in (("bfloat16", torch.bfloat16), ("torch.float16", torch.float16), ("fp32", torch.float32)):
+        out = tmp_path / name
+        save_pretrained(model, layout, out, dtype=name)
+        tensors = load_file(out / "model.safetensors")
+        assert {t.dtype for t in tensors.values()} == {dtype}
+        assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+        assert export_dtype(dtype) is dtype
+
+
+class _Scaled(torch.nn.Module):
+    """A model with a persistent buffer used in forward, a non-persistent one, an integer one, and one
+    buffer under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 0.5))
+        self.register_buffer("cache", torch.ones(4), persistent=False)
+        self.register_buffer("seen", torch.tensor([7], dtype=torch.int64))
+        self.inner = torch.nn.Module()
+        self.inner.register_buffer("scale", self.scale)
+
+    def forward(self, x):
+        return self.proj(x) * self.scale * self.cache
+
+
+def test_persistent_buffers_are_exported_as_state_dict_holds_them(tmp_path):
+    torch.manual_seed(0)
+    model = _Scaled()
+    layout = FixedLayout.from_tensors(dict(model.named_parameters()), 0, 1)
+    assert save_pretrained(model, layout, tmp_path / "out") == ["model.safetensors"]
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(tensors) == set(model.state_dict()) == {"proj.weight", "proj.bias", "scale", "seen", "inner.scale"}
+    for name, value in model.state_dict().items():
+        assert torch.equal(tensors[name], value), name
+    fresh = _Scaled()
+    fresh.load_state_dict(tensors)  # strict: nothing missing, nothing unexpected
+    save_pretrained(model, layout, tmp_path / "half", dtype="bfloat16")
+    half = load_file(tmp_path / "half" / "model.safetensors")
+    assert half["scale"].dtype == torch.bfloat16 and half["seen"].dtype == torch.int64 and half["seen"].item() == 7
