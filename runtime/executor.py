@@ -280,6 +280,7 @@ class Executor:
                     step.traffic += flight.finish(self.layout)
                 else:
                     step.traffic += move.push(self.layout, params.weighted_grads(), self.reduce_dtype)
+            self.layout.drop_frozen_grads()  # frozen parameters: no gradient in the norm or the optimiser
         params.release()
         if not dry_run:
             step.finite_probe = self._finite_probe
@@ -287,8 +288,9 @@ class Executor:
             self._phase("optimizer", step)  # the meter reads the step's statistics and checks: one read
             self.steps_run += 1
             try:
-                if self._may_step(step):
-                    self.optimizer.step()
+                with self.layout.keep_frozen(self.optimizer):  # frozen parameters keep their values, bit for bit
+                    if self._may_step(step):
+                        self.optimizer.step()
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
         self._phase("end", step)

@@ -12,14 +12,16 @@ shard would hold it (the hot spot of equal contiguous shards of the whole vector
 shares, one after the other. The shard is filled one parameter at a time, from the model's tensors, from a
 deterministic per-parameter initialiser, or from a state dict streamed from rank 0: no rank ever holds a
 tensor of the full parameter count, except :meth:`FixedLayout.full_state_dict`, which gathers everything on
-purpose.
+purpose. Frozen parameters (:meth:`FixedLayout.freeze`: those of the model that do not require a gradient) stay in
+the shard, so checkpoints and exports hold them, and training keeps them as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -117,6 +119,9 @@ class FixedLayout:
         self.shard_numel = max(1, sum(region_shares(self.regions, world_size)))
         """Elements of every rank's shard (its shares, each padded to the region's share; the padding is zero)."""
         self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device))
+        self.frozen: frozenset[str] = frozenset()
+        """The parameters training keeps as they are (``requires_grad=False`` in the model): :meth:`freeze`."""
+        self._frozen_in_shard: list[tuple[int, int]] = []
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], rank: int, world_size: int,
@@ -125,6 +130,44 @@ class FixedLayout:
         layout = cls({n: tuple(t.shape) for n, t in tensors.items()}, rank, world_size, device, split_dims)
         layout.fill_from(tensors)
         return layout
+
+    def freeze(self, names: Iterable[str]) -> None:
+        """Keep the parameters ``names`` (and only those) fixed in training: :meth:`drop_frozen_grads` zeroes
+        their gradients before the optimiser reads them and :meth:`keep_frozen` restores their values, bit for
+        bit, and zeroes their optimiser state after it stepped (weight decay and momentum change nothing)."""
+        names = frozenset(names)
+        unknown = sorted(names - set(self.specs))
+        if unknown:
+            raise KeyError(f"cannot freeze unknown parameters {unknown[:5]}")
+        self.frozen = names
+        parts = [self._own_part(self.specs[n]) for n in self.specs if n in names]
+        self._frozen_in_shard = [(pos, pos + count) for _, count, pos in filter(None, parts)]
+
+    def drop_frozen_grads(self) -> None:
+        """Zero this rank's part of the frozen parameters' gradient in the shard's ``.grad`` (they then count in
+        no gradient norm and give the optimiser nothing)."""
+        grad = self.shard.grad
+        if grad is not None:
+            for a, b in self._frozen_in_shard:
+                grad[a:b].zero_()
+
+    @contextlib.contextmanager
+    def keep_frozen(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Within the block ``optimizer`` may step the shard; afterwards this rank's part of the frozen
+        parameters holds the values it had before, bit for bit, and their per-element optimiser state is zero
+        (a weight decay or a momentum would otherwise move them)."""
+        kept = [self.shard.detach()[a:b].clone() for a, b in self._frozen_in_shard]
+        try:
+            yield
+        finally:
+            if kept:
+                states = [v for v in optimizer.state.get(self.shard, {}).values()
+                          if isinstance(v, torch.Tensor) and v.shape == self.shard.shape]
+                with torch.no_grad():
+                    for (a, b), values in zip(self._frozen_in_shard, kept):
+                        self.shard[a:b].copy_(values)
+                        for state in states:
+                            state[a:b].zero_()
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:

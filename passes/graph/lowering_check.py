@@ -165,15 +165,17 @@ def _bind_probe(lowered: Lowered, values: Mapping[str, torch.Tensor],
                 buffer: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device) -> None:
     """Give a lowered program (built on the capture as it is, perhaps of meta stand-ins) this rank's slices of
     the probe values and real buffers, as the runtime binds its own: one Parameter per name, shared by every
-    stage that reads it."""
+    stage that reads it, each requiring a gradient as the runtime's do (a frozen parameter too: the runtime
+    computes its gradient and drops it at the owner, ``runtime.fixed_layout.FixedLayout.freeze``)."""
     slices = {sl.name: sl for sl in lowered.params}
     made: dict[str, torch.Tensor] = {}
     gm = lowered.graph_module
     modules = [m for n, m in gm.named_children() if n.startswith("stage_")] or [gm]  # stages hold what they read
     for module in modules:
-        for name, p in list(module.named_parameters()):
+        for name, _ in list(module.named_parameters()):
             if name not in made:
-                made[name] = nn.Parameter(slices[name].take(values[name]).clone(), requires_grad=p.requires_grad)
+                value = slices[name].take(values[name]).clone()
+                made[name] = nn.Parameter(value, requires_grad=value.is_floating_point())
             _owner(module, name).register_parameter(name.rpartition(".")[2], made[name])
         for name, b in list(module.named_buffers()):
             if name not in made:
