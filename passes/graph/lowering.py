@@ -38,6 +38,7 @@ from passes.graph.tensor_parallel import (
     decide_tensor_parallel,
     shard_tensor_parallel_pass,
 )
+from passes.graph.token_mixing import check_token_mixing_pass
 from passes.graph.variant import CompileCounter, TokenBuckets, Variant, VariantKey
 from passes.plan.ir import ParallelScheme
 
@@ -45,7 +46,7 @@ __all__ = ["LOWERING_PASSES", "Lowering", "Lowered", "decide_lowerings", "lower_
            "StageVariants", "PIPELINE_TOLERANCE", "recompute_pieces"]
 
 LOWERING_PASSES = (*CANONICAL_PASSES, shard_tensor_parallel_pass, rewrite_packed_attention_pass,
-                   rewrite_context_parallel_pass, split_pipeline_pass)
+                   check_token_mixing_pass, rewrite_context_parallel_pass, split_pipeline_pass)
 """What turns a captured forward into one rank's replica program, in order."""
 
 PIPELINE_TOLERANCE = 0.2
@@ -141,7 +142,8 @@ def lower_graph(captured: fx.GraphModule, scheme: ParallelScheme, *, tp_rank: in
                 attention: Mapping[str, MaskLimits] | None = None, kv_splits: int = 1) -> Lowered:
     """Apply the lowering passes to a copy of ``captured`` with decided plans (:func:`decide_lowerings`):
     canonical forms, tensor parallel (``tensor_parallel``, required when tp > 1), packed attention (each
-    attention's decided limits, ``attention``; None: the capture's own), context parallel (cp > 1: attention
+    attention's decided limits, ``attention``; None: the capture's own), the token-mixing check (an op that reads
+    other tokens than attention is a ``PassError``: ``passes.graph.token_mixing``), context parallel (cp > 1: attention
     over ``cp_group``, this rank ``cp_rank``, its K/V exchange pipelined over ``kv_splits`` head groups at most),
     the pipeline cut (``pipeline``, required when pp > 1). Nothing is decided here."""
     if (scheme.tp > 1) != (tensor_parallel is not None) or (scheme.pp > 1) != (pipeline is not None):
