@@ -11,7 +11,9 @@ the callers build on the host (digests, counts, flags) is placed here. Objects (
 pickles over the CPU side of the group. Point-to-point messages between two ranks are posted in the same order on
 both (NCCL runs one communicator's operations in issue order and a send completes only once its receive is
 posted): callers post each set of messages that belongs together as one batch (:func:`exchange`, :func:`post`).
-Warm-up compiles inside collectives, so it runs under its own, longer timeout (:func:`collective_timeout`).
+Warm-up compiles inside collectives, so it runs under its own, longer timeout (:func:`collective_timeout`); every
+group is made with the job's timeout and point-to-point works are waited within the timeout in force
+(:func:`wait`), so that after warm-up a rank stalled inside a step fails its peers after ``HCOMPILE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ __all__ = ["DistContext", "init_distributed", "GroupCache", "MAX_REMEMBERED_PLAC
            "broadcast_object", "agree_errors", "all_reduce", "all_gather", "all_gather_into", "barrier", "send",
            "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown",
            "is_nccl", "uses_nccl", "cuda_device_for", "joined_context", "collective_timeout", "timeout_of",
-           "DEFAULT_WARMUP_TIMEOUT_S", "warmup_timeout_s", "env_seconds"]
+           "DEFAULT_WARMUP_TIMEOUT_S", "warmup_timeout_s", "env_seconds", "job_from_env", "wait",
+           "p2p_timeout"]
 
 ProcessGroup = dist.ProcessGroup
 """A process group (what ``GroupCache.get`` returns; None stands for a group of one rank)."""
@@ -71,10 +74,9 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
     after ``timeout_s`` (env ``HCOMPILE_TIMEOUT_S``), so a dead rank ends the job. Under NCCL the rank computes on
     ``cuda:LOCAL_RANK`` (:func:`cuda_device_for`), set as the current device before the group is made, and the
     default group's communicator is set up at once by all ranks (batched point-to-point calls that only some
-    ranks make must not be its first use)."""
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    timeout_s = float(os.environ.get("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+    ranks make must not be its first use). Every variable it reads is checked first (:func:`job_from_env`): a bad
+    one is a ValueError naming it, before anything waits on other ranks."""
+    rank, world_size, timeout_s = job_from_env(init_method, rank, world_size, timeout_s)
     if dist_backend is None:
         dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if dist_backend == "nccl":
@@ -99,6 +101,66 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
             if dist_backend == "nccl":
                 _set_up(None)
     return DistContext(rank=rank, world_size=world_size, dist_backend=dist_backend, device=device)
+
+
+_TIMEOUT_ENV = ("HCOMPILE_TIMEOUT_S", "HCOMPILE_WARMUP_TIMEOUT_S", "HCOMPILE_PLAN_TIMEOUT_S")
+"""The timeouts a job reads from its environment (each checked by :func:`job_from_env`)."""
+
+
+def job_from_env(init_method: str | None = None, rank: int | None = None, world_size: int | None = None,
+                 timeout_s: float | None = None) -> tuple[int, int, float]:
+    """(rank, world size, collective timeout in seconds) of a job about to be joined: each given value, else the
+    one in the environment (``RANK``, ``WORLD_SIZE``, ``HCOMPILE_TIMEOUT_S``), else 0, 1 and
+    :data:`DEFAULT_TIMEOUT_S`. Checks every variable the job reads, so that a bad one is a ValueError naming it,
+    its value and what it must be (not ``int()``'s or gloo's message, or a wrong rank found after minutes of
+    capture): ``RANK`` an integer in [0, ``WORLD_SIZE``), ``WORLD_SIZE`` a positive integer, ``LOCAL_RANK`` (where
+    set) an integer >= 0, ``MASTER_ADDR`` and a ``MASTER_PORT`` in [1, 65535] where the rendezvous reads them (a
+    job of several ranks without ``init_method``), and every ``HCOMPILE_*_TIMEOUT_S`` a positive number of
+    seconds (:func:`env_seconds`)."""
+    for name in _TIMEOUT_ENV:
+        env_seconds(name, DEFAULT_TIMEOUT_S)
+    if timeout_s is None:
+        timeout_s = env_seconds("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    rank_name = "RANK" if rank is None else "rank"
+    world_name = "WORLD_SIZE" if world_size is None else "world_size"
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", 1, 1, "a positive integer: the ranks in the job")
+    elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if rank is None:
+        rank = _env_int("RANK", 0, 0, "an integer >= 0: this process's rank in the job")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"{rank_name}={rank!r} is not a rank of a job of {world_name}={world_size} (expected "
+                         f"0..{world_size - 1}): each process needs its own rank below the job's size")
+    _env_int("LOCAL_RANK", 0, 0, "an integer >= 0: this process's rank on its machine")
+    rendezvous = init_method in (None, "env://") and (world_size > 1 or "MASTER_ADDR" in os.environ)
+    if rendezvous:
+        if not os.environ.get("MASTER_ADDR"):
+            raise ValueError(f"{world_name}={world_size} but MASTER_ADDR is not set: start the job with `hcompile "
+                             f"launch` or torchrun, or set MASTER_ADDR and MASTER_PORT (the address and port of "
+                             f"rank 0) on every rank")
+        _env_int("MASTER_PORT", None, 1, "a port number in [1, 65535] on MASTER_ADDR that rank 0 listens on",
+                 high=65535)
+    return rank, world_size, float(timeout_s)
+
+
+def _env_int(name: str, default: int | None, low: int, expected: str, high: int | None = None) -> int:
+    """Env ``name`` as an integer in [``low``, ``high``], else ``default`` (None: it must be set); otherwise a
+    ValueError naming it, its value and ``expected``."""
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    if text is None:
+        raise ValueError(f"{name} is not set: expected {expected}")
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={text!r}: expected {expected}")
+    return value
 
 
 def cuda_device_for(rank: int, world_size: int, local_rank: str | None, count: int, current: int, *,
@@ -359,12 +421,35 @@ def irecv(tensor: torch.Tensor, src: int) -> Work:
 
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
     """Post these sends (tensor, to) and receives (buffer, from) together and wait for all of them (pairs of
-    ranks that send to each other at once do not deadlock)."""
+    ranks that send to each other at once do not deadlock), within the default group's timeout in force
+    (:func:`wait`)."""
     ops = [dist.P2POp(dist.isend, _on(t, None).contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, buf, peer) for buf, peer in recvs]
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        wait(dist.batch_isend_irecv(ops), p2p_timeout(None))
+
+
+def p2p_timeout(group: ProcessGroup | None = None) -> datetime.timedelta | None:
+    """What :func:`wait` passes to the point-to-point works of ``group`` (None: the default group) for them to time
+    out as its collectives do now (:func:`timeout_of`: inside :func:`collective_timeout` the block's, else the
+    job's). On gloo that is the group's timeout in force, since a gloo send or receive waited without a timeout
+    waits for the one its group was made with, whatever was set since; None under NCCL, whose works each time
+    out (in its watchdog) after the timeout in force when they were posted, and whose ``wait`` with a timeout
+    would block the host until the work is done instead of ordering the stream. Read it once per batch of works
+    or per step, not per message."""
+    if world_size() == 1 or uses_nccl(group):
+        return None
+    return datetime.timedelta(seconds=timeout_of(group))
+
+
+def wait(works: Sequence[Work], timeout: datetime.timedelta | None) -> None:
+    """Wait for each of ``works`` in turn, each within ``timeout`` (:func:`p2p_timeout`; None: the backend's own);
+    a work not done by then raises the backend's timeout error."""
+    for work in works:
+        if timeout is None:
             work.wait()
+        else:
+            work.wait(timeout)
 
 
 def post(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
@@ -402,18 +487,22 @@ def movement_group() -> ProcessGroup | None:
 
 _timeouts: dict[str, float] = {}
 """``job``: the collective timeout this module made the job with; ``now``: the one in force inside
-:func:`collective_timeout` (groups made there get it too)."""
+:func:`collective_timeout` (groups made there get it too); ``outside``: the job's, inside the outermost block."""
 _made: dict[int, list[ProcessGroup]] = {}
 """The sub-groups this module made, by the id of the default group they were made in."""
 
 
 def _new_group(ranks: list[int]) -> ProcessGroup:
-    """A sub-group of ``ranks`` with the timeout in force (``dist.new_group`` would give torch's default, 10 or
-    30 minutes, not the job's), remembered so that :func:`collective_timeout` reaches it."""
-    seconds = _timeouts.get("now", _job_timeout_s())
-    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=seconds))
+    """A sub-group of ``ranks`` made with the job's timeout (``dist.new_group`` would give torch's default, 10 or
+    30 minutes), then given the timeout in force (inside :func:`collective_timeout`, the block's), remembered so
+    that :func:`collective_timeout` reaches it. Made with the job's, never the block's: gloo's point-to-point
+    waits without a timeout of their own keep the one the group was made with, whatever is set later, so a group
+    made during warm-up with warm-up's hour would hold a rank stalled inside a later step for an hour."""
+    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_job_timeout_s()))
     if rank() in ranks:  # elsewhere new_group gives a placeholder that no call may name
         _made.setdefault(id(dist.group.WORLD), []).append(group)
+        if "now" in _timeouts:
+            _set_timeout(group, _timeouts["now"])
     return group
 
 
@@ -431,10 +520,12 @@ def _job_timeout_s() -> float:
     """The job's collective timeout: the one this module made the job with, else the default group's."""
     if "job" in _timeouts:
         return _timeouts["job"]
+    if "outside" in _timeouts:  # a user's job inside collective_timeout: the default group's is the block's
+        return _timeouts["outside"]
     try:
         return timeout_of(None)
     except (AttributeError, RuntimeError):  # a backend that does not show its options
-        return float(os.environ.get("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        return env_seconds("HCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S)
 
 
 def _groups_of_job() -> list[ProcessGroup]:
@@ -494,6 +585,8 @@ def collective_timeout(seconds: float) -> Iterator[None]:
     job = _job_timeout_s()
     before = {id(g): timeout_of(g) for g in _groups_of_job()}
     outer = _timeouts.get("now")
+    if outer is None:
+        _timeouts["outside"] = job
     _timeouts["now"] = float(seconds)
     for group in _groups_of_job():
         _set_timeout(group, seconds)
@@ -502,6 +595,7 @@ def collective_timeout(seconds: float) -> Iterator[None]:
     finally:
         if outer is None:
             _timeouts.pop("now", None)
+            _timeouts.pop("outside", None)
         else:
             _timeouts["now"] = outer
         for group in _groups_of_job():
@@ -513,5 +607,6 @@ def shutdown() -> None:
     _movement.clear()
     _made.clear()
     _timeouts.pop("now", None)
+    _timeouts.pop("outside", None)
     if dist.is_initialized():
         dist.destroy_process_group()

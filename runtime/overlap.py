@@ -38,6 +38,7 @@ pull window it reports is in place.
 
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 from collections import deque
@@ -53,7 +54,7 @@ from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges,
 from runtime.stage_params import StageParams
 
 __all__ = ["layout_windows", "WindowedMovement", "Message", "Unit", "MovementInFlight", "MovementError",
-           "DEFAULT_WINDOWS", "DEFAULT_INFLIGHT_BYTES", "overlap_buffer_bytes",
+           "DEFAULT_WINDOWS", "DEFAULT_INFLIGHT_BYTES", "THREAD_START_TIMEOUT_S", "overlap_buffer_bytes",
            "largest_unit_numel", "check_inflight_bytes"]
 
 DEFAULT_WINDOWS = OVERLAP_WINDOWS
@@ -61,6 +62,9 @@ DEFAULT_WINDOWS = OVERLAP_WINDOWS
 ``passes.plan.movement.MAX_WINDOW_NUMEL``, the one bound of both)."""
 DEFAULT_INFLIGHT_BYTES = 1 << 28
 """Bytes of movement buffers a rank's progress thread keeps in flight at most (256 MiB)."""
+THREAD_START_TIMEOUT_S = 60.0
+"""The longest a rank waits for its progress thread to run once started (at most half the movement group's
+timeout): a thread starts in microseconds, and one that has not run by then died starting (out of memory)."""
 
 
 def check_inflight_bytes(value: object, name: str = "inflight_bytes") -> int:
@@ -234,7 +238,52 @@ class WindowedMovement:
 
 
 class MovementError(RuntimeError):
-    """The overlapped movement failed on this rank (a peer gone, a collective timeout): says which message."""
+    """The overlapped movement failed on this rank (a peer gone, a collective timeout, its progress thread not
+    started): says which rank, and which message or why."""
+
+
+class _ProgressThread:
+    """A movement's progress thread, started so that starting it cannot hang. ``threading.Thread.start`` waits
+    without a bound for the new thread to say that it runs, and a thread that dies before it does (a
+    ``MemoryError`` in its bootstrap, on a rank out of memory) leaves the rank waiting there forever while its
+    peers wait for its messages. This one is an OS thread whose first act is to say so; :meth:`start` waits a
+    bounded time for that, and the compute side sees it end (:attr:`ended`) even if its target could not
+    record why."""
+
+    def __init__(self, target: Callable[[], None], name: str):
+        self.target, self.name = target, name
+        self._running = threading.Event()
+        self._ended = threading.Event()
+
+    def start(self, within_s: float) -> None:
+        """Start the thread and wait at most ``within_s`` seconds for it to run: a RuntimeError (no thread could
+        be made), a MemoryError, or a TimeoutError naming the wait (it died before running, or is still not
+        running: then it does nothing once it does, see :meth:`_main`)."""
+        _thread.start_new_thread(self._main, ())
+        if not self._running.wait(within_s):
+            self._ended.set()  # given up: a thread that runs later leaves at once
+            raise TimeoutError(f"the thread {self.name} was started but did not run within {within_s:g} s (it "
+                               f"died starting: is the rank out of memory?)")
+
+    def _main(self) -> None:
+        """The thread's body: say that it runs (unless :meth:`start` gave up on it), run the target, say that it
+        ended."""
+        if self._ended.is_set():
+            return
+        self._running.set()
+        try:
+            self.target()
+        finally:
+            self._ended.set()
+
+    @property
+    def ended(self) -> bool:
+        """Whether the thread has ended (or never ran)."""
+        return self._ended.is_set()
+
+    def join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the thread to end."""
+        self._ended.wait(timeout)
 
 
 class MovementInFlight:
@@ -288,12 +337,22 @@ class MovementInFlight:
         self._error: BaseException | None = None
         self._failed_at: list[Unit] = []
         self._stopping = False
+        self._all_done = False
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._start_event = torch.cuda.Event() if self.cuda else None
         if self._start_event is not None:
             self._start_event.record()  # the shard as the compute stream leaves it (the last update)
-        self._thread = threading.Thread(target=self._run, name=f"hydraulis-movement-rank{plan.rank}", daemon=True)
-        self._thread.start()
+        self._wait_timeout = comm.p2p_timeout(self._group)  # once a step: the timeout in force (warm-up's or the job's)
+        self._thread = _ProgressThread(self._run, f"hydraulis-movement-rank{plan.rank}")
+        within_s = THREAD_START_TIMEOUT_S
+        if self._group is not None:
+            within_s = min(within_s, comm.timeout_of(self._group) / 2)
+        try:
+            self._thread.start(within_s)
+        except Exception as error:  # RuntimeError (can't start new thread), MemoryError, TimeoutError
+            self._stopping = True
+            raise MovementError(f"rank {plan.rank}: the overlapped movement's progress thread did not start, so its "
+                                f"peers' messages with it cannot travel: {type(error).__name__}: {error}") from error
 
     def _is_view(self, ranges: Ranges | None, at: int, count: int) -> bool:
         return self.shard.dtype == self.flat.dtype and len(list(pieces(ranges or [], at, count))) == 1
@@ -305,8 +364,10 @@ class MovementInFlight:
         started = time.perf_counter()
         need = self.plan.pull_ends[window]
         with self._cond:
-            while self._completed < need and self._error is None:
+            while self._completed < need and self._error is None and not self._thread.ended:
                 self._cond.wait(timeout=1.0)
+            if self._completed < need and self._error is None:  # ended without saying why (out of memory)
+                self._error = RuntimeError("the progress thread ended before the pull was in place")
         self._raise_if_failed()
         self.wait_s += time.perf_counter() - started
 
@@ -368,10 +429,13 @@ class MovementInFlight:
             self._cond.notify_all()
 
     def _join(self) -> None:
-        while self._thread.is_alive():
+        while not self._thread.ended:
             self._thread.join(timeout=1.0)
             if self._error is not None:
                 break
+        with self._cond:
+            if self._error is None and not self._all_done:  # ended without saying why (out of memory)
+                self._error = RuntimeError("the progress thread ended before the movement was complete")
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -432,8 +496,7 @@ class MovementInFlight:
                     continue
             batch, works, nbytes, afters = flight.popleft()
             self._failed_at = batch
-            for work in works:
-                work.wait()
+            comm.wait(works, self._wait_timeout)  # gloo: bounded by the timeout in force, not the group's first
             for after in afters:
                 after()
             if self.cuda:
@@ -443,6 +506,7 @@ class MovementInFlight:
                 self._completed += sum(1 for u in batch if u.phase == "pull")
                 self._cond.notify_all()
         self._failed_at = []
+        self._all_done = True
 
     def _is_ready(self, window: int) -> bool:
         with self._cond:
