@@ -10,7 +10,9 @@ from hcompile.export import ExportError
 from hcompile.init import empty_init, normal_init
 from hcompile.train import Trainer, TrainOptions
 from hcompile.verify import LoweringError
+from runtime.batch_check import CollectiveCallError
 from runtime.executor import NonFiniteError
 
-__all__ = ["CaptureError", "Captured", "CompiledModel", "ExportError", "LoweringError", "NonFiniteError",
-           "TrainOptions", "Trainer", "capture", "compile", "empty_init", "hydraulis", "normal_init"]
+__all__ = ["CaptureError", "Captured", "CollectiveCallError", "CompiledModel", "ExportError", "LoweringError",
+           "NonFiniteError", "TrainOptions", "Trainer", "capture", "compile", "empty_init", "hydraulis",
+           "normal_init"]

@@ -39,6 +39,12 @@ class CompiledModel:
         if next(model.parameters(), None) is None:
             raise ValueError(f"{type(model).__name__} has no parameters: hcompile compiles a model to train its "
                              f"parameters, and this one has none to train")
+        for name, p in model.named_parameters():  # the fixed layout holds fp32 master weights: floats only
+            if not p.is_floating_point():
+                leaf = name.rpartition(".")[2]
+                raise ValueError(f"{type(model).__name__}: parameter {name!r} is {p.dtype}, and hcompile trains "
+                                 f"floating-point parameters only (their fp32 master copy would turn it into floats); "
+                                 f"hold it as a buffer instead (register_buffer({leaf!r}, tensor) on its module)")
         if not isinstance(compile_backend, str) or not compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name or 'auto', got {compile_backend!r}")
         self.model = model
@@ -85,7 +91,7 @@ class CompiledModel:
             example_device = key[2] if key[2] is not None else model_device
             ids = torch.zeros(1, tokens, dtype=torch.long, device=example_device if example_device.type != "meta"
                               else "cpu")
-            self._captures[key] = capture(self.model, ids, dtype=dtype, device=key[2])
+            self._captures[key] = capture(self.model, ids, dtype=dtype, device=key[2], logits=True)
         return self._captures[key]
 
     def _compute(self, dtype: torch.dtype | None, device: torch.device | str | None) -> tuple:

@@ -68,15 +68,22 @@ def _describe_break(exc: Exception) -> str:
 
 
 def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = None,
-            device: torch.device | str | None = None) -> Captured:
-    """Record ``model(*args)`` as one normalised GraphModule; a graph break is a :class:`CaptureError`.
+            device: torch.device | str | None = None, logits: bool = False) -> Captured:
+    """Record ``model(*args)`` as one normalised GraphModule; a graph break is a :class:`CaptureError`, as is a
+    model without a ``forward`` of its own.
 
     ``dtype`` / ``device``: trace as if the floating-point parameters had that dtype and everything lived on
     that device (what a runtime's compute copies will have). When either differs from the model's, or the
     model's parameters are on the meta device, the model is traced on meta stand-ins (its own tensors are
     restored untouched, nothing of its size is allocated): the graph then holds meta tensors and meta device
     constants, which a runtime replaces with its own tensors and device before running it
-    (``Variant.bind_``)."""
+    (``Variant.bind_``). ``logits``: ``args[0]`` is ``input_ids`` (B, T), and what the model returns must be
+    floating-point logits (B, T, vocab) (a tensor, or an object with ``.logits``); anything else is a
+    :class:`CaptureError` saying what it returned."""
+    forward = getattr(model, "forward", None)
+    if getattr(forward, "__func__", forward) is _FORWARD_UNIMPLEMENTED:
+        raise CaptureError(f"{type(model).__name__} has no forward: nn.Module subclasses define forward(self, "
+                           f"input_ids) returning logits (batch, tokens, vocab)")
     params = list(model.parameters())
     device = torch.device(device) if device is not None else (args[0].device if args else torch.device("cpu"))
     shadow = (any(p.device.type == "meta" for p in params)
@@ -94,6 +101,8 @@ def capture(model: nn.Module, *args: torch.Tensor, dtype: torch.dtype | None = N
     _functionalise_buffer_copies(gm)
     _functionalise_in_place(gm, type(model).__name__)
     _keep_only_output(gm, _output_index(record.get("outputs"), user_out))
+    if logits:
+        _check_logits(type(model).__name__, gm, args[0])
     _drop_empty_concat_operands(gm)
     return Captured(graph_module=gm, example_inputs=tuple(args), param_names=names)
 
@@ -261,6 +270,26 @@ def _meta_stand_ins(model: nn.Module, dtype: torch.dtype | None) -> Iterator[Non
     finally:
         for table, name, value in saved:
             table[name] = value
+
+
+_FORWARD_UNIMPLEMENTED = nn.Module.forward
+"""What ``forward`` is on a module that defines none (torch raises NotImplementedError when it is called)."""
+
+
+def _check_logits(model: str, gm: fx.GraphModule, input_ids: torch.Tensor) -> None:
+    """The graph's output is floating-point logits (B, T, vocab) of ``input_ids`` (B, T); otherwise a
+    CaptureError saying what it is."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    val = out.meta.get("val") if isinstance(out, fx.Node) else out
+    if not isinstance(val, torch.Tensor):
+        return  # nothing known of it here: the self-check runs it
+    batch, tokens = tuple(input_ids.shape[:2])
+    if val.dim() == 3 and tuple(val.shape[:2]) == (batch, tokens) and val.is_floating_point():
+        return
+    what = "a scalar" if val.dim() == 0 else f"a tensor of shape {tuple(val.shape)}"
+    raise CaptureError(f"{model} returned {what} of {val.dtype} for input_ids of shape {(batch, tokens)}: expected "
+                       f"floating-point logits of shape (batch, tokens, vocab) = ({batch}, {tokens}, vocab), one row "
+                       f"of vocabulary scores per token (a tensor, or an object with .logits)")
 
 
 def _output_index(graph_outputs: Any, user_out: Any) -> int:

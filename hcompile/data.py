@@ -7,17 +7,24 @@ UTF-8 bytes; :class:`HFTokenizer`, any Hugging Face tokenizer), and :class:`Toke
 permutation of the documents drawn from ``seed`` and the epoch, every document cut into sequences of at most
 ``max_len`` tokens, sequences taken in order into global batches of at most ``tokens_per_batch`` tokens. A
 batch is a list of 1-D int64 tensors, what ``Trainer.train_step`` takes, the same on every rank.
+
+A ``TokenBatches`` is its own iterator: ``next_batch`` (``next(batches)``) moves its position only when it
+returns a batch, so after any exception (a tokenizer that fails, a document too large for memory) ``state_dict``
+is still the first sequence no batch returned. ``Trainer.fit`` puts such a source back before the batches it took
+but did not train when it ends by an exception.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import os
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -49,19 +56,28 @@ class ByteTokenizer:
     vocab_size: int = 256
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text`` (a lone surrogate becomes ``?``)."""
         return list(text.encode("utf-8", errors="replace"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode`` as a uint8 array over the bytes themselves (one byte per token, no Python list)."""
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
 
 
 class HFTokenizer:
     """A Hugging Face tokenizer (``transformers.AutoTokenizer.from_pretrained(...)``), without special tokens."""
 
     def __init__(self, tokenizer: Any) -> None:
+        if isinstance(tokenizer, (str, bytes, os.PathLike)):
+            raise DataError(f"HFTokenizer takes a loaded tokenizer, not a name or path ({tokenizer!r}): "
+                            f"HFTokenizer(transformers.AutoTokenizer.from_pretrained({str(tokenizer)!r}))")
         if not callable(getattr(tokenizer, "encode", None)):
             raise DataError(f"a Hugging Face tokenizer has an encode method; got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
         self.vocab_size = int(len(tokenizer))
 
     def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, without special tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -78,6 +94,8 @@ class Corpus:
         self.replaced_bytes = 0
         """Bytes of the files read that were not UTF-8 (each run of them read as U+FFFD)."""
         self._fingerprint: str | None = None
+        self._files: list[tuple[int, str, int]] = []
+        """(index of its first document, path, documents) of each file read by ``from_paths``."""
 
     def fingerprint(self) -> str:
         """A hash of every document in order (computed once): what a data position is checked against."""
@@ -109,7 +127,18 @@ class Corpus:
         if not files:
             raise DataError(f"no text, .jsonl or .parquet files under {[str(p) for p in paths]}")
         bad: dict[Path, int] = {}
-        corpus = cls([t for f in files for t in _read(f, text_field, split_python, bad)])
+        documents: list[str] = []
+        spans: list[tuple[int, str, int]] = []
+        for f in files:
+            try:
+                texts = [t for t in _read(f, text_field, split_python, bad) if t.strip()]
+            except MemoryError:
+                raise DataError(f"{f} ({f.stat().st_size} bytes) does not fit in memory when read: split it into "
+                                "smaller files or documents") from None
+            spans.append((len(documents), str(f), len(texts)))
+            documents += texts
+        corpus = cls(documents)
+        corpus._files = spans
         corpus.replaced_bytes = sum(bad.values())
         if bad and strict:
             first = next(iter(bad))
@@ -125,6 +154,16 @@ class Corpus:
     def text(self, index: int) -> str:
         """Document ``index``."""
         return self.documents[index]
+
+    def origin(self, index: int) -> str:
+        """Where document ``index`` comes from, for messages: its file (and its place among the file's
+        documents) when read by ``from_paths``, else its index."""
+        at = bisect.bisect_right([start for start, _, _ in self._files], index) - 1
+        if at < 0:
+            return f"document {index}"
+        start, path, count = self._files[at]
+        return f"document {index} ({path})" if count == 1 else \
+            f"document {index} ({path}, its document {index - start + 1} of {count})"
 
 
 def _readable(f: Path) -> bool:
@@ -161,14 +200,21 @@ def _read(path: Path, field: str, split_python: bool, bad: dict[Path, int]) -> l
             raise DataError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
         import pyarrow as pa
 
-        schema = pq.read_schema(path)
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{path} is not a readable parquet file: {exc}") from None
         if field not in schema.names:
             raise DataError(f"{path} has no column {field!r}")
         kind = schema.field(field).type
         if not any(getattr(pa.types, f"is_{t}", lambda _: False)(kind) for t in ("string", "large_string",
                                                                                  "string_view")):
             raise DataError(f"{path}: column {field!r} holds {kind}, not strings")
-        return [t for t in pq.read_table(path, columns=[field]).column(field).to_pylist() if t is not None]
+        try:
+            column = pq.read_table(path, columns=[field]).column(field)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{path} is not a readable parquet file: {exc}") from None
+        return [t for t in column.to_pylist() if t is not None]
     text = _decode(path, bad)
     return _DEFINITION.split(text) if split_python and path.suffix == ".py" else [text]
 
@@ -210,7 +256,8 @@ class TokenBatches:
         self.epoch, self.cursor, self.taken = 0, 0, 0
         """Where the next batch starts: the epoch, the index into its permutation of documents, and how many
         sequences of that document earlier batches took."""
-        self._pending: list[list[int]] = []
+        self._document: tuple[int, np.ndarray, int] | None = None
+        """(document, its token ids, the sequences it gives) of the document at ``cursor`` once tokenized."""
 
     def _options(self) -> dict:
         """What decides how documents are cut, and by which tokenizer."""
@@ -240,62 +287,103 @@ class TokenBatches:
             if saved[key] != value:
                 raise DataError(f"data position of a run with {key}={saved[key]!r}, this one has {value!r}: its "
                                 "documents are cut otherwise")
-        self.epoch, self.cursor, self.taken = epoch, cursor, taken
-        self._pending = self.sequences(self.corpus.text(int(self._order(epoch)[cursor])))[taken:] if taken else []
+        document = self._tokens(int(self._order(epoch)[cursor])) if taken else None
+        if document is not None and taken >= document[2]:
+            raise DataError(f"data position {state!r} takes {taken} sequences of a document that gives "
+                            f"{document[2]}")
+        self.epoch, self.cursor, self.taken, self._document = epoch, cursor, taken, document
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.corpus))
 
-    def _cut(self, text: str) -> tuple[list[list[int]], str]:
-        """The sequences a document becomes, and when there are none, why."""
-        ids = self.tokenizer.encode(text)
-        if ids and max(ids) >= self.tokenizer.vocab_size:
-            raise DataError(f"the tokenizer gave id {max(ids)} >= its vocab_size {self.tokenizer.vocab_size}")
-        if not ids:
-            return [], "no tokens"
-        if len(ids) > self.max_len and self.long_documents == "drop":
-            return [], f"more than max_len {self.max_len} tokens (long_documents='drop')"
-        pieces = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
-        kept = [p for p in pieces if len(p) >= self.min_len]
-        return kept, "" if kept else f"fewer than min_len {self.min_len} tokens"
+    def _ids(self, text: str, document: int | None) -> np.ndarray:
+        """The token ids of ``text`` (the corpus's ``document``) as a 1-D integer array; a :class:`DataError`
+        naming the document when they are out of the vocabulary or do not fit in memory."""
+        def what() -> str:  # only when there is something to say: finding the file costs a search
+            return "the document" if document is None else self.corpus.origin(document)
+
+        try:
+            fast = getattr(self.tokenizer, "encode_array", None)
+            ids = np.asarray(fast(text) if callable(fast) else self.tokenizer.encode(text))
+            if ids.size and not np.issubdtype(ids.dtype, np.integer):
+                ids = ids.astype(np.int64)
+        except MemoryError:
+            raise DataError(f"{what()} ({len(text)} characters) does not fit in memory once tokenized: split it "
+                            "into smaller documents") from None
+        ids = ids.reshape(-1)
+        if ids.size and (int(ids.max()) >= self.tokenizer.vocab_size or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= self.tokenizer.vocab_size else int(ids.min())
+            raise DataError(f"the tokenizer gave id {bad} for {what()}, outside its vocabulary "
+                            f"[0, {self.tokenizer.vocab_size})")
+        return ids
+
+    def _cut(self, ids: np.ndarray) -> tuple[int, str]:
+        """How many sequences ``ids`` gives (piece k is ``ids[k * max_len:(k + 1) * max_len]``; only the last
+        piece can be shorter than ``min_len``, and is then left out), and when none, why."""
+        if not ids.size:
+            return 0, "no tokens"
+        if ids.size > self.max_len and self.long_documents == "drop":
+            return 0, f"more than max_len {self.max_len} tokens (long_documents='drop')"
+        count = -(-ids.size // self.max_len)
+        if ids.size - (count - 1) * self.max_len < self.min_len:
+            count -= 1
+        return count, "" if count else f"fewer than min_len {self.min_len} tokens"
+
+    def _tokens(self, document: int) -> tuple[int, np.ndarray, int]:
+        """(document, its ids, the sequences they give)."""
+        ids = self._ids(self.corpus.text(document), document)
+        return document, ids, self._cut(ids)[0]
+
+    def _piece(self, ids: np.ndarray, k: int) -> torch.Tensor:
+        return torch.from_numpy(ids[k * self.max_len:(k + 1) * self.max_len].astype(np.int64))
 
     def sequences(self, text: str) -> list[list[int]]:
         """The sequences a document becomes: its tokens in pieces of at most ``max_len`` (none when it is longer
         and long documents are dropped), pieces shorter than ``min_len`` left out."""
-        return self._cut(text)[0]
+        ids = self._ids(text, None)
+        return [self._piece(ids, k).tolist() for k in range(self._cut(ids)[0])]
 
     def next_batch(self) -> list[torch.Tensor]:
         """The next global batch: sequences in order while they fit ``tokens_per_batch`` (a document's
         sequences continue in the next batch when they do not). A :class:`DataError` when a whole pass over
-        the corpus gives no sequence."""
+        the corpus gives no sequence. The position moves only when a batch is returned: after an exception
+        (the tokenizer's, a document too large for memory) ``state_dict`` is what it was before the call."""
+        epoch, cursor, taken, current = self.epoch, self.cursor, self.taken, self._document
         batch: list[torch.Tensor] = []
-        total, order = 0, self._order(self.epoch)
+        total, order = 0, self._order(epoch)
         empty: dict[int, str] = {}  # documents met since the last sequence that gave none, and why
         while True:
-            if not self._pending:
-                document = int(order[self.cursor])
-                self._pending, why = self._cut(self.corpus.text(document))
-                self.taken = 0
+            if current is None:
+                document = int(order[cursor])
+                text = self.corpus.text(document)
+                ids = self._ids(text, document)
+                count, why = self._cut(ids)
+                current = (document, ids, count)
                 if why:
                     empty[document] = why
                     if len(empty) == len(self.corpus):
                         raise DataError(_nothing_to_cut(empty))
                 else:
                     empty.clear()
-            if self._pending and total + len(self._pending[0]) > self.tokens_per_batch and batch:
-                return batch
-            if self._pending:
-                seq = self._pending.pop(0)
-                batch.append(torch.tensor(seq, dtype=torch.long))
-                total, self.taken = total + len(seq), self.taken + 1
-            if not self._pending:  # this document is done
-                self.cursor, self.taken = self.cursor + 1, 0
-                if self.cursor == len(order):
-                    self.epoch, self.cursor, order = self.epoch + 1, 0, self._order(self.epoch + 1)
+            _, ids, count = current
+            if taken < count:
+                length = min(self.max_len, ids.size - taken * self.max_len)
+                if total + length > self.tokens_per_batch and batch:
+                    self.epoch, self.cursor, self.taken, self._document = epoch, cursor, taken, current
+                    return batch
+                batch.append(self._piece(ids, taken))
+                total, taken = total + length, taken + 1
+            if taken >= count:  # this document is done
+                cursor, taken, current = cursor + 1, 0, None
+                if cursor == len(order):
+                    epoch, cursor, order = epoch + 1, 0, self._order(epoch + 1)
 
-    def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        while True:
-            yield self.next_batch()
+    def __iter__(self) -> "TokenBatches":
+        """The batches themselves: ``next(batches)`` is ``next_batch()``, endlessly."""
+        return self
+
+    def __next__(self) -> list[torch.Tensor]:
+        return self.next_batch()
 
 
 def _nothing_to_cut(why: dict[int, str]) -> str:

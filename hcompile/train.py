@@ -10,8 +10,11 @@ batch and program to the executor (``runtime.executor``), which never calls back
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 import logging
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -30,6 +33,7 @@ from hcompile.cost import (
     refuse_context_parallel_model,
     token_ranks,
 )
+from hcompile.data import DataError
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, model_memory, trainer_runtime, usable_memory
 from hcompile.verify import SELF_CHECK_MAX_TOKENS, prepare_strategy, self_check_cost
@@ -49,7 +53,7 @@ from passes.plan.placement import assign_ranks, placed_replicas
 from passes.plan.policies import ALL_POLICIES, CP_POLICIES, Planner, sized_homogeneous
 from passes.plan.pool import build_pool
 from runtime import distributed as comm
-from runtime.batch_check import agree_on_batch
+from runtime.batch_check import SourceError, agree_on_batch, agree_on_call
 from runtime.calibration import OnlineCalibration
 from runtime.checkpoint import DEFAULT_KEEP, load_checkpoint, save_checkpoint
 from runtime.distributed import DistContext, init_distributed
@@ -85,7 +89,8 @@ class TrainOptions:
     """True: ``optimizer`` is not a supported class but updates every element from that element's gradient
     and state alone (its results would otherwise depend on how the layout is sharded); the trainer takes it."""
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the optimiser."""
+    """Keyword arguments of the optimiser, checked against its ``__init__`` when the options are built (keywords it
+    takes, each of its default's type, finite; torch's own optimisers also build on them)."""
     strategies: str | tuple[str, ...] = "auto"
     """``auto`` (a pool built from the data; each step may also use another mix of the pool's schemes, which
     compiles nothing new; where the data's longest sequence, or the first batch's without a dataset, is longer
@@ -102,8 +107,9 @@ class TrainOptions:
     """Whether hydraulis may plan regrouped steps where the job has context-parallel schemes: CP groups that
     re-form sequence by sequence inside groups of same-scheme replicas (``passes.plan.regrouped``)."""
     buckets: TokenBuckets | None = None
-    """Token buckets micro-batches are padded to; default: the compiled model's, else powers of two from 64
-    tokens. The trainer keeps its own and leaves the compiled model's alone."""
+    """Token buckets micro-batches are padded to (token counts such as ``(64, 128, 256)`` become
+    ``TokenBuckets``); default: the compiled model's, else powers of two from 64 tokens. The trainer keeps its
+    own and leaves the compiled model's alone."""
     replicas_take_turns: bool = False
     """Replicas compute one after the other within a step (``runtime.measure.TakeTurns``): for measuring
     per-rank busy times on a host with fewer cores than ranks; slower in wall-clock time."""
@@ -195,9 +201,9 @@ class TrainOptions:
                                            or self.kv_splits < 1):
             raise ValueError(f"kv_splits must be a positive integer or None, got {self.kv_splits!r}")
         check_inflight_bytes(self.movement_inflight_bytes, "movement_inflight_bytes")
-        if self.loss != "causal_lm":
+        if not isinstance(self.loss, str) or self.loss != "causal_lm":
             raise ValueError(f"unknown loss {self.loss!r}; supported: 'causal_lm'")
-        if self.policy not in ALL_POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in ALL_POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(ALL_POLICIES)}")
         value = self.tokens_per_rank
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -206,26 +212,137 @@ class TrainOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("elementwise_optimizer", "regroup", "replicas_take_turns", "calibrate", "self_check",
+                     "overlap_movement"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_optimizer(self.optimizer, self.elementwise_optimizer)
-        if (problem := setting_problem(self.optimizer_kwargs)) is not None:
-            raise ValueError(f"optimizer_kwargs must be finite numbers, got {problem}: every weight would become "
-                             f"NaN at the first step")
-        if self.non_finite not in NON_FINITE_POLICIES:
+        _check_optimizer_kwargs(self.optimizer, self.optimizer_kwargs)
+        if not isinstance(self.non_finite, str) or self.non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {self.non_finite!r}")
+        if self.buckets is not None and not isinstance(self.buckets, TokenBuckets):
+            object.__setattr__(self, "buckets", _buckets(self.buckets))
         if isinstance(self.strategies, str) and self.strategies != "auto":  # one strategy, not its characters
             object.__setattr__(self, "strategies", (self.strategies,))
-        if self.strategies != "auto":
+        if not isinstance(self.strategies, str):
             if not isinstance(self.strategies, (list, tuple)) or not self.strategies:
                 raise ValueError(f"strategies must be 'auto' or strategies such as ('4x(tp1)',), got "
                                  f"{self.strategies!r}")
             object.__setattr__(self, "strategies", tuple(self.strategies))
             for text in self.strategies:
+                if not isinstance(text, str):
+                    raise ValueError(f"strategies must be 'auto' or strings such as '4x(tp1)', got {text!r} "
+                                     f"({type(text).__name__}) in {self.strategies!r}")
                 Strategy.parse(text)
+
+
+def _without_tensor_parallel(model: CostModel, analysed, rank: int) -> CostModel:
+    """``model`` without its tensor-parallel schemes when the model has no tensor-parallel form at all
+    (``split_dims`` raises: a tied embedding whose head reads a split input, ...), so that ``auto`` plans what
+    can run instead of refusing the job at the first tp > 1 lowering; unchanged otherwise, or when it has no
+    tp1 scheme to plan with."""
+    try:
+        split_dims(canonical_graph(analysed))
+        return model
+    except PassError as exc:
+        kept = tuple(e for e in model.entries if e.scheme.tp == 1)
+        if not kept or len(kept) == len(model.entries):
+            return model
+        if rank == 0:
+            log.info("strategies='auto' plans without tensor parallelism: %s", exc)
+        return dataclasses.replace(model, entries=kept)
 
 
 def _lists_recomputation(strategies: str | tuple[str, ...]) -> bool:
     """Whether a listed strategy names a recomputing scheme (``rc``)."""
     return strategies != "auto" and any(s.rc for text in strategies for s in Strategy.parse(text).schemes)
+
+
+def _buckets(value: Any) -> TokenBuckets:
+    """``TrainOptions.buckets`` given as token counts (a list or tuple of positive integers, ascending) as the
+    :class:`TokenBuckets` they name; anything else a ValueError saying what is expected."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"buckets must be TokenBuckets, token counts such as (64, 128, 256), or None; got {value!r} "
+                         f"({type(value).__name__})")
+    try:
+        return TokenBuckets(sizes=tuple(value))
+    except ValueError as exc:
+        raise ValueError(f"buckets {value!r}: {exc}") from None
+
+
+_BOOL_OR_NONE = ("foreach", "fused")
+"""Keyword arguments of torch's optimisers that take True, False or None (None: torch chooses)."""
+
+
+def _check_optimizer_kwargs(optimizer: type, kwargs: Any) -> None:
+    """``optimizer_kwargs`` as ``optimizer`` takes them, checked before anything is captured: a mapping of
+    keyword names (``params`` is the trainer's), each one a keyword of the class's ``__init__`` unless it takes
+    ``**kwargs``; a value whose default says its type has that type: True or False where the default is a bool,
+    a real number (not a bool or a string) or a one-element floating tensor (as torch takes ``lr``) where it is a
+    number, a tuple of such numbers of the default's length (``betas``), True, False or None for ``foreach`` and
+    ``fused``; every number finite. torch's own optimisers are then built on a one-element tensor, so that what
+    their ``__init__`` refuses (a negative ``lr``, a beta of 1.5) is refused here too. A ValueError names the
+    key, the value and what is expected."""
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"optimizer_kwargs must be a mapping of keyword arguments such as {{'lr': 1e-3}}, got "
+                         f"{kwargs!r} ({type(kwargs).__name__})")
+    name = optimizer.__name__
+    try:
+        params = dict(inspect.signature(optimizer.__init__).parameters)
+    except (TypeError, ValueError):  # no signature to read: torch says at construction
+        params = {}
+    open_ended = not params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise ValueError(f"optimizer_kwargs keys must be keyword names, got {key!r} ({type(key).__name__})")
+        if key == "params":
+            raise ValueError("optimizer_kwargs must not hold 'params': the trainer passes the optimiser its shard "
+                             "of the fixed layout")
+        param = params.get(key)
+        if param is None or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            if open_ended:
+                continue
+            known = ", ".join(k for k, p in params.items() if k not in ("self", "params")
+                              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+            raise ValueError(f"optimizer_kwargs: {name} takes no keyword argument {key!r} (it takes {known})")
+        expected = _kwarg_problem(key, value, param)
+        if expected is not None:
+            raise ValueError(f"optimizer_kwargs[{key!r}] must be {expected} for {name}, got {value!r} "
+                             f"({type(value).__name__})")
+    if (problem := setting_problem(kwargs)) is not None:
+        raise ValueError(f"optimizer_kwargs must be finite numbers, got {problem}: every weight would become NaN at "
+                         f"the first step")
+    if optimizer in ELEMENTWISE_OPTIMIZERS:  # torch's own class: its __init__ checks the values' ranges
+        try:
+            optimizer([torch.zeros(1, requires_grad=True)], **dict(kwargs))
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"optimizer_kwargs {dict(kwargs)!r} are refused by {name}: {exc}") from None
+
+
+def _kwarg_problem(key: str, value: Any, param: inspect.Parameter) -> str | None:
+    """What an optimiser keyword ``key`` must be, when ``value`` is not that (None: it is, or the keyword's
+    default says nothing of its type)."""
+    default = param.default
+    if isinstance(default, bool) or (default is None and key in _BOOL_OR_NONE):
+        if isinstance(value, bool) or (value is None and default is None):
+            return None
+        return "True or False" + (" or None" if default is None else "")
+    if isinstance(default, numbers.Real):
+        return None if _is_number(value) else "a real number (or a one-element floating tensor)"
+    if isinstance(default, tuple) and default and all(isinstance(d, numbers.Real) for d in default):
+        if isinstance(value, (tuple, list)) and len(value) == len(default) and all(_is_number(v) for v in value):
+            return None
+        return f"a tuple of {len(default)} real numbers such as {default!r}"
+    if isinstance(default, str) and not isinstance(value, str):
+        return f"a string such as {default!r}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (not a bool), or a one-element floating tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and value.numel() == 1
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_optimizer(optimizer: Any, trusted: bool) -> None:
@@ -288,6 +405,8 @@ class Trainer:
                                                  options.tokens_per_rank, memory, self.ctx.device, memory=held,
                                                  memory_bytes=usable, recompute=recompute)
         model = add_listed_cp_schemes(model, options.strategies)
+        if options.strategies == "auto":
+            model = _without_tensor_parallel(model, analysed, self.ctx.rank)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)
                                        for e in model.entries})
@@ -324,8 +443,13 @@ class Trainer:
         self._checked: set[tuple[ParallelScheme, int]] = set()
         """(scheme, TP rank) whose lowering this rank has checked."""
         self._submitted: tuple[tuple[int, ...], str | None] | None = None
-        self._ahead: tuple[Iterator, Sequence[torch.Tensor], tuple[int, ...]] | None = None
-        """(iterator, its next batch, that batch's checked lengths): the batch ``train_step(iterator)`` holds."""
+        self._ahead: tuple[Iterator, Sequence[torch.Tensor], tuple[int, ...], Any] | None = None
+        """(iterator, its next batch, that batch's checked lengths, the iterator's ``state_dict()`` before that
+        batch, None when it has none): the batch ``fit`` or ``train_step(iterator)`` holds for the next step."""
+        self.untrained: list[Sequence[torch.Tensor]] = []
+        """The batches the last ``fit`` or ``train_step(iterator)`` took from an iterator without a position
+        (``state_dict``/``load_state_dict``) and no step trained, when it ended by an exception, in order (a
+        source with a position is put back before them instead); empty otherwise."""
         self._compute_end: float | None = None
         """When the last step's compute phase ended (rank 0's clock): what the next plan may hide behind."""
         self.last_plan = None
@@ -449,7 +573,7 @@ class Trainer:
         Every rank passes the same plan and batch; the batch's lengths must be the plan's ``seq_lens``. The
         schemes the plan runs are warmed first, once each (lowered, self-checked on a probe and compiled on every
         rank: a regrouped plan's schemes as the homogeneous strategies whose aligned groups it uses)."""
-        lens = self._check(batch)
+        lens = self._check(batch, call="train_plan")
         if lens != tuple(plan.seq_lens):
             raise ValueError(f"the batch's sequence lengths {list(lens)[:8]} are not the plan's "
                              f"{list(plan.seq_lens)[:8]}")
@@ -504,9 +628,13 @@ class Trainer:
                 self.executor.run_step(plan, [torch.zeros(n, dtype=torch.long) for n in lens if n],
                                        self.program(plan), dry_run=True)
 
-    def _check(self, batch: Sequence[torch.Tensor]) -> tuple[int, ...]:
-        """The batch's sequence lengths, once every rank agreed it holds the same batch (collective)."""
-        return tuple(agree_on_batch(batch, self.vocab_size))
+    def _check(self, batch: Sequence[torch.Tensor] | None, call: str = "train_step", failure: str | None = None,
+               ended: bool = False) -> tuple[int, ...] | None:
+        """The batch's sequence lengths, once every rank agreed it called ``call`` and holds the same batch
+        (collective; ``runtime.batch_check``); ``failure``/``ended``: this rank's iterator raised or ended
+        instead (None: it ended on every rank)."""
+        lens = agree_on_batch(batch, self.vocab_size, call=call, failure=failure, ended=ended)
+        return None if lens is None else tuple(lens)
 
     def _submit(self, seq_lens: Sequence[int], strategy: str | None) -> None:
         self._planner(seq_lens).submit(list(seq_lens), Strategy.parse(strategy) if strategy else None)
@@ -517,13 +645,15 @@ class Trainer:
         """Train on one global batch (the same list of 1-D token tensors on every rank); ``strategy`` forces one.
         A batch's plan is made when it is called, so nothing hides the planning. Given an iterator of global
         batches instead, it trains on the next one while rank 0 plans the one after, keeping it (checked) for
-        the next call with the same iterator; None when the iterator is exhausted. ``fit`` is that loop. A step
+        the next call with the same iterator; None when the iterator is exhausted. ``fit`` is that loop (what
+        it says of an iterator that raises, and of where its position is left, holds here too). A step
         whose loss, gradient norm, master weights or optimiser settings are not finite is a ``NonFiniteError``
         on every rank before the optimiser changes anything (``TrainOptions.non_finite``)."""
         if isinstance(batch, Iterator):
             if strategy is not None:
                 raise ValueError("strategy= forces one batch's strategy; pass a batch, not an iterator, with it")
-            return self._next_step(batch, look_ahead=True)
+            self.untrained = []
+            return self._next_step(batch, look_ahead=True, call="train_step")
         return self._step(batch, self._check(batch), strategy, None)
 
     def fit(self, batches: Iterable[Sequence[torch.Tensor]], steps: int | None = None,
@@ -531,34 +661,108 @@ class Trainer:
         """Train on ``batches`` (any iterable of global batches, the same on every rank), ``steps`` of them
         (None: until it ends), keeping one batch ahead: each batch is checked once, and its plan is computed
         on rank 0 while the previous step runs (``StepStats.plan_hidden``); no batch past the last step is
-        taken from ``batches``. ``on_step(step, stats)`` is called after each step (0-based), on every rank.
-        Returns the last step's statistics (None for no batch)."""
+        taken from ``batches``. ``on_step(step, stats)`` is called after each step (0-based), on every rank;
+        ``data_position(batches)`` there is the position to save. Returns the last step's statistics (None for
+        no batch).
+
+        Each batch is taken and agreed on in one collective: an iterator that raises (or ends) on some rank only
+        is the same ``DataError`` on every rank, naming the rank and what it raised (chained to that exception on
+        that rank). When ``fit`` ends by any exception (the iterator's, a step's, ``on_step``'s), an iterator
+        with a position (``state_dict``/``load_state_dict``, as ``TokenBatches``) is put back at the first batch
+        no step trained, so its ``state_dict()`` is what to save; the batches taken from any other iterator and
+        not trained are in ``trainer.untrained``."""
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps must be a non-negative integer or None, got {steps!r}")
         source, stats, done = iter(batches), None, 0
-        while steps is None or done < steps:
-            step = self._next_step(source, look_ahead=steps is None or done + 1 < steps)
-            if step is None:
-                break
-            stats = step
-            if on_step is not None:
-                on_step(done, stats)
-            done += 1
+        self.untrained = []
+        try:
+            while steps is None or done < steps:
+                step = self._next_step(source, look_ahead=steps is None or done + 1 < steps, call="fit")
+                if step is None:
+                    break
+                stats = step
+                if on_step is not None:
+                    on_step(done, stats)
+                done += 1
+        except BaseException:
+            if self._ahead is not None and self._ahead[0] is source:  # on_step raised with a batch held
+                _, held, _, position = self._ahead
+                self._ahead = None
+                self._put_back(source, position, [held])
+            raise
         return stats
 
-    def _next_step(self, source: Iterator, look_ahead: bool) -> StepStats | None:
-        """The step on ``source``'s next batch (the one held from the last call, or pulled and checked now);
-        with ``look_ahead`` the batch after it is pulled, checked and planned while this step runs."""
-        if self._ahead is None or self._ahead[0] is not source:
-            first = next(source, None)
-            if first is None:
-                return None
-            self._ahead = (source, first, self._check(first))
-        _, current, lens = self._ahead
-        upcoming = next(source, None) if look_ahead else None
-        upcoming_lens = self._check(upcoming) if upcoming is not None else None
-        self._ahead = (source, upcoming, upcoming_lens) if upcoming is not None else None
-        return self._step(current, lens, None, upcoming_lens)
+    def data_position(self, source: Any) -> Any:
+        """``source.state_dict()`` at the first batch no step trained: the position before the batch ``fit`` or
+        ``train_step(iterator)`` holds for its next step, when it holds one of ``source`` (a ``TokenBatches``
+        is its own iterator), else where ``source`` is. What to save from ``on_step``."""
+        if self._ahead is not None and self._ahead[0] is source and self._ahead[3] is not None:
+            return copy.deepcopy(self._ahead[3])
+        return source.state_dict()
+
+    def _next_step(self, source: Iterator, look_ahead: bool, call: str) -> StepStats | None:
+        """The step on ``source``'s next batch (the one held from the last call, or taken and checked now);
+        with ``look_ahead`` the batch after it is taken, checked and planned while this step runs. On any
+        exception, ``source`` is put back before the first batch no step trained (``_put_back``)."""
+        held = self._ahead if self._ahead is not None and self._ahead[0] is source else None
+        self._ahead = None
+        position = held[3] if held is not None else _position(source)
+        untrained = [held[1]] if held is not None else []
+        try:
+            if held is None:
+                taken = self._take(source, call, untrained)
+                if taken is None:
+                    return None
+                current, lens = taken
+            else:
+                current, lens = held[1], held[2]
+            upcoming = upcoming_lens = upcoming_position = None
+            if look_ahead:
+                upcoming_position = _position(source)
+                taken = self._take(source, call, untrained)
+                upcoming, upcoming_lens = taken if taken is not None else (None, None)
+            elif held is not None:  # nothing agreed in this call yet: every rank must be in the same call
+                agree_on_call(call)
+            stats = self._step(current, lens, None, upcoming_lens)
+        except BaseException:
+            self._put_back(source, position, untrained)
+            raise
+        if upcoming is not None:
+            self._ahead = (source, upcoming, upcoming_lens, upcoming_position)
+        return stats
+
+    def _take(self, source: Iterator, call: str, untrained: list) -> tuple[Sequence[torch.Tensor],
+                                                                         tuple[int, ...]] | None:
+        """``source``'s next batch and its checked lengths (None: it ended on every rank), taken and agreed in
+        one collective: what the iterator raised on some rank is a ``DataError`` on every rank (chained to the
+        exception on that rank). A batch taken is appended to ``untrained``."""
+        batch, failure = None, None
+        try:
+            batch = next(source)
+        except StopIteration:
+            pass
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, whatever it is
+            failure = exc
+        if batch is not None:
+            untrained.append(batch)
+        try:
+            lens = self._check(batch, call=call, failure=None if failure is None else
+                               f"{type(failure).__name__}: {failure}", ended=failure is None and batch is None)
+        except SourceError as exc:
+            raise DataError(str(exc)) from failure
+        return None if lens is None else (batch, lens)
+
+    def _put_back(self, source: Iterator, position: Any, untrained: list) -> None:
+        """After an exception: ``source`` back at ``position`` (the first batch no step trained) when it has a
+        position, else its batches taken and not trained in ``self.untrained``."""
+        if position is not None:
+            try:
+                source.load_state_dict(position)
+            except Exception as exc:  # noqa: BLE001 - the exception being raised is the one to see
+                log.warning("could not put the batches back at the first untrained one (%s): %s", position, exc)
+                self.untrained = list(untrained)
+        elif untrained:
+            self.untrained = list(untrained)
 
     def _step(self, batch: Sequence[torch.Tensor], seq_lens: tuple[int, ...], strategy: str | None,
               upcoming: tuple[int, ...] | None) -> StepStats:
@@ -604,7 +808,9 @@ class Trainer:
         """Checkpoint the fixed layout, optimiser state, RNG, step, data position, strategy pool and cost-model
         calibration (collective, atomic: ``runtime.checkpoint``). ``data_position``: anything JSON gives back
         exactly, e.g. ``TokenBatches.state_dict()`` (a tuple, a non-finite float, ... are refused). ``keep``:
-        how many of the checkpoint's versions stay (the newest); nothing else in ``path`` is touched."""
+        how many of the checkpoint's versions stay (the newest); nothing else in ``path`` is touched. Called on
+        some ranks only (``if rank == 0: save``), it is a ``CollectiveCallError`` on every rank, nothing written."""
+        agree_on_call("save")
         extra: dict = {}
         if self._service is not None:
             planner = self._service.planner
@@ -620,7 +826,9 @@ class Trainer:
         the master weights, the optimiser state and param groups, and, with the same number of ranks, the
         strategy pool, the calibration and the RNG, so the steps after a resume are the steps an uninterrupted
         run takes. Explicit arguments win: listed ``strategies`` and the ``optimizer_kwargs`` entries
-        replace what the checkpoint held, which one logged line names."""
+        replace what the checkpoint held, which one logged line names. Collective (``CollectiveCallError`` on
+        every rank when called on some ranks only)."""
+        agree_on_call("load")
         explicit = set(self.options.optimizer_kwargs)
         meta = load_checkpoint(path, self.layout, self.optimizer, override=explicit, check_extra=_extra_problem)
         self.executor.steps_run = meta["step"]  # the steps after a resume are numbered on from the saved step
@@ -641,16 +849,20 @@ class Trainer:
                          ", ".join(held))
         return meta
 
-    def save_pretrained(self, path: str, *, dtype: torch.dtype = torch.float32,
+    def save_pretrained(self, path: str, *, dtype: torch.dtype | str = torch.float32,
                         max_shard_size: int | str = "5GB") -> list[str] | None:
         """Write the trained parameters as a Hugging Face folder (``hcompile.export``): the model's own names,
-        a tied weight once, safetensors shards of at most ``max_shard_size``, the model's config; loads with
-        ``AutoModelForCausalLM.from_pretrained(path)``. Collective (rank 0 writes; returns its file names)."""
+        a tied weight once, its persistent buffers, ``dtype`` a floating one (or its name), safetensors shards
+        of at most ``max_shard_size``, the model's config; loads with
+        ``AutoModelForCausalLM.from_pretrained(path)``. Collective (rank 0 writes; returns its file names): called
+        on some ranks only (``if rank == 0``), a ``CollectiveCallError`` on every rank, nothing written."""
+        agree_on_call("save_pretrained")
         return save_pretrained(self.compiled.model, self.layout, path, dtype=dtype,
                                max_shard_size=max_shard_size)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The current parameters under the original module's names (collective)."""
+        agree_on_call("full_state_dict")
         return self.layout.full_state_dict()
 
 
@@ -673,7 +885,8 @@ def _plain(value: Any) -> Any:
 def _layout(compiled: CompiledModel, analysed, ctx: DistContext, *, init: Init | None,
             state_dict: Mapping[str, torch.Tensor] | None) -> FixedLayout:
     """The fixed layout of the model's parameters (tensor parallelism's split dims stored outermost), filled once
-    from what rank 0 was given (``runtime.fixed_layout.fill_layout``)."""
+    from what rank 0 was given (``runtime.fixed_layout.fill_layout``); the parameters that do not require a
+    gradient are frozen in it (``FixedLayout.freeze``: training keeps them as they are)."""
     named = dict(compiled.model.named_parameters())
     try:
         dims = split_dims(canonical_graph(analysed))
@@ -682,6 +895,10 @@ def _layout(compiled: CompiledModel, analysed, ctx: DistContext, *, init: Init |
         dims = {}
     layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
     fill_layout(layout, init=init, state_dict=state_dict, named=named)
+    layout.freeze(n for n, p in named.items() if not p.requires_grad)
+    if layout.frozen and ctx.rank == 0:
+        log.info("%d parameters do not require a gradient (%s): training keeps them as they are", len(layout.frozen),
+                 ", ".join(n for n in named if n in layout.frozen)[:200])
     return layout
 
 
@@ -696,6 +913,14 @@ def _dry_plan(strategy: Strategy, lens: list[int], gpus_per_node: int) -> StepPl
                                max_tokens=tuple(max(n, 1) for n in lens))
     return StepPlan(strategy=strategy, seq_lens=tuple(seq_lens), replicas=replicas, est_step_ms=0.0,
                     lower_bound_ms=0.0, policy="warm-up")
+
+
+def _position(source: Any) -> Any:
+    """``source.state_dict()`` when it can be put back there (``state_dict`` and ``load_state_dict``, as
+    ``TokenBatches``), else None."""
+    if callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None)):
+        return source.state_dict()
+    return None
 
 
 def _bytes(dtype: torch.dtype) -> int:

@@ -132,3 +132,45 @@ def test_in_place_updates_and_buffer_writes_are_kept():
 def test_an_in_place_update_of_a_view_is_refused():
     with pytest.raises(CaptureError, match="updates 'getitem' in place \\(mul_\\), which shares memory"):
         capture(_InPlace(view=True), torch.randn(1, 5, 8))
+
+
+class _Outputs(nn.Module):
+    """Token ids -> a scalar, (B, T) scores, integer (B, T, 1) ids, or logits (B, T, V)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, ids):
+        logits = self.head(self.emb(ids))
+        return {"scalar": logits.sum(), "bt": logits.sum(-1), "ints": logits.argmax(-1, keepdim=True),
+                "logits": logits}[self.kind]
+
+
+class _NoForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+
+@pytest.mark.parametrize(("kind", "found"), [("scalar", "a scalar of torch.float32"),
+                                             ("bt", r"a tensor of shape \(1, 8\) of torch.float32"),
+                                             ("ints", r"a tensor of shape \(1, 8, 1\) of torch.int64")])
+def test_an_output_that_is_not_logits_is_named_where_logits_are_expected(kind, found):
+    import hcompile
+
+    model = _Outputs(kind)
+    capture(model, torch.zeros(1, 8, dtype=torch.long))  # a plain capture takes any tensor
+    with pytest.raises(CaptureError, match=f"_Outputs returned {found} for input_ids of shape \\(1, 8\\): expected "
+                                           r"floating-point logits of shape \(batch, tokens, vocab\) = \(1, 8, vocab"):
+        hcompile.compile(model).captured(8)
+    assert hcompile.compile(_Outputs("logits")).captured(8).graph_module is not None
+
+
+def test_a_module_without_forward_is_named():
+    import hcompile
+
+    with pytest.raises(CaptureError, match=r"_NoForward has no forward: nn.Module subclasses define forward\(self, "
+                                           r"input_ids\) returning logits"):
+        hcompile.compile(_NoForward()).captured(8)

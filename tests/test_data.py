@@ -239,3 +239,75 @@ def test_a_parquet_text_column_that_is_not_strings_is_refused(tmp_path):
     pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
     with pytest.raises(DataError, match="ints.parquet: column 'text' holds int64, not strings"):
         Corpus.from_paths(tmp_path / "ints.parquet")
+
+
+class _Failing:
+    """Bytes as tokens; raises ``error`` on the document ``bad`` while ``armed``."""
+
+    vocab_size = 256
+
+    def __init__(self, bad: str, error: BaseException):
+        self.bad, self.error, self.armed = bad, error, True
+
+    def encode(self, text):
+        if self.armed and text == self.bad:
+            raise self.error
+        return list(text.encode())
+
+
+def test_next_batch_moves_only_when_it_returns_a_batch():
+    """A tokenizer that fails mid-batch (after some sequences were counted into it) leaves the position where
+    it was; the next call gives exactly the batch an undisturbed source gives."""
+    corpus = Corpus([f"document {i} " * (2 + i % 5) for i in range(20)])
+    plain = TokenBatches(corpus, ByteTokenizer(), tokens_per_batch=96, max_len=24, seed=4)
+    expected = [plain.next_batch() for _ in range(6)]
+    order = [int(i) for i in plain._order(0)]
+    tokenizer = _Failing(corpus.text(order[9]), ValueError("bad record"))
+    data = TokenBatches(corpus, tokenizer, tokens_per_batch=96, max_len=24, seed=4)
+    got, failures = [], 0
+    while len(got) < 6:
+        before = data.state_dict()
+        try:
+            got.append(data.next_batch())
+        except ValueError:
+            failures += 1
+            assert data.state_dict() == before
+            tokenizer.armed = False
+    assert failures == 1 and all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+                                 for a, b in zip(got, expected))
+    assert iter(data) is data and len(next(data)) > 0  # its own iterator: next(data) is next_batch()
+
+
+def test_a_document_too_large_for_memory_is_a_data_error_naming_it(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "small"}) + "\n" + json.dumps({"text": "big " * 50}) + "\n")
+    corpus = Corpus.from_paths(tmp_path)
+    data = TokenBatches(corpus, _Failing("big " * 50, MemoryError()), tokens_per_batch=256, max_len=16, seed=0)
+    with pytest.raises(DataError, match=r"document 1 \(.*a.jsonl, its document 2 of 2\) \(200 characters\) does "
+                                         "not fit in memory once tokenized"):
+        for _ in range(4):
+            before = data.state_dict()
+            data.next_batch()
+    assert data.state_dict() == before  # the position where the failing call found it
+
+
+def test_a_long_document_is_cut_in_linear_time():
+    """A 16 MB one-line document: its ids are one byte array and its pieces are taken by index, so every batch
+    of it costs the same (a list consumed with pop(0) made a 200 MB line take 53 s)."""
+    import time
+
+    data = TokenBatches(Corpus(["x" * (16 << 20)]), ByteTokenizer(), tokens_per_batch=4096, max_len=512)
+    started = time.monotonic()
+    tokens = sum(sum(len(s) for s in data.next_batch()) for _ in range(4096))
+    assert tokens == 16 << 20 and (data.epoch, data.cursor) == (1, 0)
+    assert time.monotonic() - started < 20
+
+
+def test_an_unreadable_parquet_file_and_a_tokenizer_name_are_refused_by_name(tmp_path):
+    pytest.importorskip("pyarrow")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    with pytest.raises(DataError, match="broken.parquet is not a readable parquet file"):
+        Corpus.from_paths(tmp_path)
+    for name in ("gpt2", tmp_path):
+        with pytest.raises(DataError, match=r"HFTokenizer takes a loaded tokenizer, not a name or path .*"
+                                            r"AutoTokenizer.from_pretrained\("):
+            HFTokenizer(name)

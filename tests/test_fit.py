@@ -29,7 +29,7 @@ def _readme_loop(rank, world):
     data = TokenBatches(Corpus(TEXT), ByteTokenizer(), tokens_per_batch=384, max_len=128, seed=0)
     checked = []
     check = trainer._check
-    trainer._check = lambda batch: checked.append(len(batch)) or check(batch)
+    trainer._check = lambda batch, **kw: (batch is not None and checked.append(len(batch))) or check(batch, **kw)
     stats = []
     trainer.fit(data, steps=5, on_step=lambda step, s: stats.append(s))
     position, fit_checks = data.state_dict(), len(checked)
@@ -54,3 +54,107 @@ def test_the_readme_loop_hides_planning_from_the_second_step(tmp_path):
                 assert started < compute_end and finished <= needed, (started, compute_end, finished, needed)
                 assert hidden
         assert all(hidden for hidden, _, _ in steps[1:])  # rank 0's verdict, broadcast with the plan
+
+
+DOCS = [("abcdefghij" * 6)[: 20 + 7 * (i % 6)] + str(i) for i in range(30)]  # each one sequence under max_len 64
+
+
+class Tokens:
+    """Bytes modulo 64; ``fail_at``: the encode call (1-based) that raises ``ValueError`` once."""
+
+    vocab_size = 64
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = 0, fail_at
+
+    def encode(self, text):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError(f"corrupt record in encode call {self.calls}")
+        return [b % 64 for b in text.encode()]
+
+
+def _data(tokenizer=None):
+    from hcompile.data import Corpus, TokenBatches
+
+    return TokenBatches(Corpus(DOCS), tokenizer or Tokens(), tokens_per_batch=128, max_len=64, seed=2)
+
+
+def _after(n: int) -> dict:
+    """The position of a fresh source after ``n`` batches."""
+    data = _data()
+    for _ in range(n):
+        data.next_batch()
+    return data.state_dict()
+
+
+def _fit_after_errors(rank, world):
+    import hcompile
+    from hcompile.data import DataError
+    from hcompile.models import Llama, LlamaConfig, init_weights_
+
+    trainer = hcompile.compile(init_weights_(Llama(LlamaConfig(vocab=64)), seed=0)).trainer(
+        loss="causal_lm", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, strategies=["1x(tp1)"],
+        tokens_per_rank=128, calibrate=False)
+    out = {}
+    # A: the tokenizer raises inside next_batch while fit fetches batch 4 (batch 3 held, untrained)
+    reference, probe = _data(), Tokens()
+    reference.tokenizer = probe
+    for _ in range(4):
+        reference.next_batch()
+    data, trained, positions = _data(Tokens(fail_at=probe.calls + 1)), [], []
+    try:
+        trainer.fit(data, steps=10, on_step=lambda step, s: (trained.append(step),
+                                                             positions.append(trainer.data_position(data))))
+    except DataError as exc:
+        out["a"] = [str(exc), type(exc.__cause__).__name__, len(trained), data.state_dict() == _after(3),
+                    positions == [_after(n) for n in (1, 2, 3)]]
+    # resumed from that position, the next batch is batch 3
+    out["a_resumes"] = all(torch.equal(x, y) for x, y in zip(next(data), _data_after(3)))
+    # B: on_step raises after step 1: the batch fit held is put back
+    data = _data()
+
+    def stop(step, stats):
+        if step == 1:
+            raise KeyboardInterrupt("stop")
+    try:
+        trainer.fit(data, on_step=stop)
+    except KeyboardInterrupt:
+        out["b"] = data.state_dict() == _after(2)
+    # C: a plain generator that raises: the batch held is in trainer.untrained
+    def gen():
+        source = _data()
+        for _ in range(3):
+            yield source.next_batch()
+        raise OSError("the disk went away")
+    try:
+        trainer.fit(gen())
+    except DataError as exc:
+        expected = _data()
+        batches = [expected.next_batch() for _ in range(3)]
+        out["c"] = [str(exc), type(exc.__cause__).__name__, len(trainer.untrained),
+                    all(torch.equal(x, y) for x, y in zip(trainer.untrained[0], batches[2]))]
+    # D: a source that ends: fit returns, nothing held
+    out["d"] = trainer.fit(iter([_data().next_batch()])) is not None and trainer.untrained == []
+    return out
+
+
+def _data_after(n: int):
+    data = _data()
+    for _ in range(n):
+        data.next_batch()
+    return data.next_batch()
+
+
+def test_fit_after_an_error_leaves_the_source_at_the_first_untrained_batch(tmp_path):
+    """The source's position after ``fit`` ends by an exception (its tokenizer's inside ``next_batch``, an
+    ``on_step``'s) is the first batch no step trained, and ``data_position`` in ``on_step`` is too; a plain
+    iterator's untrained batches are in ``trainer.untrained``; an iterator's error is a ``DataError`` chained
+    to it."""
+    (out,) = run_ranks(1, tmp_path, _fit_after_errors, timeout_s=240)
+    message, cause, trained, at_first_untrained, positions = out["a"]
+    assert message.startswith("the batches raised on rank 0: ValueError: corrupt record in encode call")
+    assert cause == "ValueError" and trained == 3 and at_first_untrained and positions
+    assert out["a_resumes"] and out["b"]
+    assert out["c"] == ["the batches raised on rank 0: OSError: the disk went away", "OSError", 1, True]
+    assert out["d"]

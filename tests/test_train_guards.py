@@ -51,6 +51,99 @@ def test_one_strategy_as_a_string_is_one_strategy():
         TrainOptions(strategies=())
 
 
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"lr": "0.1"}, r"optimizer_kwargs\['lr'\] must be a real number \(or a one-element floating tensor\) for AdamW, "
+                    r"got '0.1' \(str\)"),
+    ({"lr": True}, r"optimizer_kwargs\['lr'\] must be a real number .* got True \(bool\)"),
+    ({"lr": torch.tensor([0.1, 0.2])}, r"optimizer_kwargs\['lr'\] must be a real number"),
+    ({"betas": (0.9,)}, r"optimizer_kwargs\['betas'\] must be a tuple of 2 real numbers such as \(0.9, 0.999\) "
+                        r"for AdamW, got \(0.9,\) \(tuple\)"),
+    ({"betas": ("0.9", 0.95)}, r"optimizer_kwargs\['betas'\] must be a tuple of 2 real numbers"),
+    ({"maximize": 1}, r"optimizer_kwargs\['maximize'\] must be True or False for AdamW, got 1 \(int\)"),
+    ({"fused": "yes"}, r"optimizer_kwargs\['fused'\] must be True or False or None for AdamW, got 'yes'"),
+    ({"learning_rate": 0.1}, r"optimizer_kwargs: AdamW takes no keyword argument 'learning_rate' \(it takes lr, "
+                             r"betas, eps"),
+    ({"params": []}, "optimizer_kwargs must not hold 'params'"),
+    ({1: 0.1}, r"optimizer_kwargs keys must be keyword names, got 1 \(int\)"),
+    ([("lr", 0.1)], r"optimizer_kwargs must be a mapping of keyword arguments such as \{'lr': 1e-3\}, got "
+                    r"\[\('lr', 0.1\)\] \(list\)"),
+    ({"lr": -1.0}, r"optimizer_kwargs \{'lr': -1.0\} are refused by AdamW: Invalid learning rate: -1.0"),
+    ({"betas": (0.9, 1.5)}, r"are refused by AdamW: Invalid beta parameter at index 1: 1.5"),
+    ({"lr": float("nan")}, "optimizer_kwargs must be finite numbers, got lr=nan"),
+])
+def test_optimiser_settings_of_the_wrong_type_are_refused_before_anything_is_captured(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainOptions(optimizer_kwargs=kwargs)
+
+
+class _MySGD(torch.optim.SGD):
+    """A subclass with keywords of its own (a string among them) and ``**kwargs``."""
+
+    def __init__(self, params, lr=0.1, mode="a", **kwargs):
+        super().__init__(params, lr=lr)
+
+
+@pytest.mark.parametrize(("optimizer", "kwargs"), [
+    (torch.optim.AdamW, {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "foreach": None,
+                         "fused": False, "maximize": True, "capturable": True, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": torch.tensor(0.01), "betas": [0.9, 0.95], "fused": True}),
+    (torch.optim.Adam, {"lr": torch.tensor(0.01), "betas": (torch.tensor(0.9), torch.tensor(0.99)),
+                        "capturable": True, "foreach": True, "decoupled_weight_decay": True}),
+    (torch.optim.SGD, {"lr": 1, "momentum": 0.9, "nesterov": True, "dampening": 0, "differentiable": False}),
+    (torch.optim.Rprop, {"lr": 0.01, "etas": (0.4, 1.1), "step_sizes": (1e-6, 50)}),
+    (torch.optim.RMSprop, {"lr": 0.01, "alpha": 0.9, "centered": True, "momentum": 0.5}),
+    (_MySGD, {"lr": 0.2, "mode": "b", "anything": object()}),  # **kwargs: any further key, unchecked
+])
+def test_what_torch_optimisers_take_is_accepted(optimizer, kwargs):
+    assert TrainOptions(optimizer=optimizer, optimizer_kwargs=kwargs).optimizer_kwargs is kwargs
+
+
+def test_buckets_as_token_counts_are_token_buckets_and_wrong_types_are_named():
+    from passes.graph.variant import TokenBuckets
+
+    assert TrainOptions(buckets=[64, 128]).buckets == TokenBuckets(sizes=(64, 128))
+    assert TrainOptions(buckets=(256,)).buckets == TokenBuckets(sizes=(256,))
+    assert TrainOptions().buckets is None
+    for value in ("64", 64, {64: 1}):
+        with pytest.raises(ValueError, match=f"buckets must be TokenBuckets, token counts such as \\(64, 128, 256\\), "
+                                             f"or None; got {value!r} \\({type(value).__name__}\\)"):
+            TrainOptions(buckets=value)
+    with pytest.raises(ValueError, match=r"buckets \[128, 64\]: bucket sizes must be strictly ascending"):
+        TrainOptions(buckets=[128, 64])
+    with pytest.raises(ValueError, match=r"buckets \[64.0\]: bucket sizes must be positive integers"):
+        TrainOptions(buckets=[64.0])
+
+
+@pytest.mark.parametrize("name", ["elementwise_optimizer", "regroup", "replicas_take_turns", "calibrate",
+                                  "self_check", "overlap_movement", "recompute"])
+def test_a_flag_that_is_not_a_bool_is_named(name):
+    for value in ("False", 0, None):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
+            TrainOptions(**{name: value})
+
+
+def test_other_fields_of_the_wrong_type_are_named():
+    cases = [({"strategies": [4]}, r"strategies must be 'auto' or strings such as '4x\(tp1\)', got 4 \(int\) in "
+                                   r"\(4,\)"),
+             ({"strategies": None}, "strategies must be 'auto' or strategies such as"),
+             ({"strategies": ("1x(tp1)", b"1x(tp1)")}, r"got b'1x\(tp1\)' \(bytes\)"),
+             ({"policy": ["hydraulis"]}, r"unknown policy \['hydraulis'\]; known: "),
+             ({"loss": None}, "unknown loss None"),
+             ({"non_finite": ["raise"]}, r"non_finite must be one of \('raise', 'skip'\), got \['raise'\]"),
+             ({"tokens_per_rank": "64"}, "tokens_per_rank must be a positive integer or None, got '64'"),
+             ({"tokens_per_rank": 64.0}, "tokens_per_rank must be a positive integer or None, got 64.0"),
+             ({"param_dtype": "bfloat16"}, "param_dtype must be torch.float32 or torch.bfloat16, got 'bfloat16'"),
+             ({"plan_timeout_s": "10"}, "plan_timeout_s must be a positive number of seconds or None, got '10'"),
+             ({"movement_pieces": 2.0}, "movement_pieces must be a positive integer, got 2.0"),
+             ({"kv_splits": "2"}, "kv_splits must be a positive integer or None, got '2'"),
+             ({"movement_inflight_bytes": 1.5}, "movement_inflight_bytes must be an integer >= 0, got 1.5"),
+             ({"self_check_max_tokens": True}, "self_check_max_tokens must be a positive integer, got True"),
+             ({"optimizer": "AdamW"}, "optimizer must be a torch.optim.Optimizer class, got 'AdamW'")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            TrainOptions(**kwargs)
+
 def test_a_tp_degree_that_does_not_divide_the_heads_is_named():
     import hcompile
     from hcompile.cost import add_listed_cp_schemes, check_strategies, default_cost_model

@@ -396,6 +396,8 @@ def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_para
     roles = _decide_roles(gm, LinearRole.VOCAB if vocab_parallel else LinearRole.REPLICATED)
     chunks: dict[str, tuple[_Chunk, ...]] = {}
     slices: dict[str, ParamSlice] = {}
+    whole: dict[str, fx.Node] = {}
+    """Per parameter an embedding reads whole (not a vocabulary-parallel token embedding): that embedding."""
     for node in gm.graph.nodes:
         if _is_linear(node):
             new = _linear_slices(node, roles[node.name], tp, rank, kv_parts, chunks)
@@ -403,11 +405,21 @@ def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_para
             weight = _param_name(node.args[1])
             new = {weight: _block(weight, tuple(node.args[1].meta["val"].shape), 0, tp, rank, node)}
         else:
+            if node.op == "call_function" and node.target is torch.nn.functional.embedding \
+                    and _param_name(node.args[1]) is not None:
+                whole.setdefault(_param_name(node.args[1]), node)
             continue
         for name, sl in new.items():
             if slices.get(name, sl) != sl:
                 raise PassError(f"tensor parallel: parameter {name!r} is used by linears split differently")
             slices[name] = sl
+    for name, embedding in whole.items():
+        if name in slices and slices[name].dim is not None:
+            linear = next(n for n in gm.graph.nodes if _is_linear(n) and name in (
+                _param_name(_linear_args(n).weight), _param_name(_linear_args(n).bias)))
+            raise PassError(f"tensor parallel: parameter {name!r} is read whole by {where(embedding)} and split along "
+                            f"dim {slices[name].dim} by the {roles[linear.name].value}-parallel {where(linear)} (a "
+                            f"tied embedding whose head reads a split input): this model has no tensor-parallel form")
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target not in slices and _is_param(gm, node.target):
             slices[node.target] = ParamSlice(name=node.target, full_shape=tuple(node.meta["val"].shape))
