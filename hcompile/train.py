@@ -36,7 +36,8 @@ from hcompile.cost import (
 from hcompile.data import DataError
 from hcompile.export import save_pretrained
 from hcompile.memory import bound_caps, model_memory, trainer_runtime, usable_memory
-from hcompile.verify import SELF_CHECK_MAX_TOKENS, prepare_strategy, self_check_cost
+from hcompile.miniature import MiniatureCheck, NotShrinkable, miniature_check
+from hcompile.verify import SELF_CHECK_MAX_TOKENS, check_strategy, prepare_strategy, self_check_cost
 from passes.graph.analyze import token_vocab
 from passes.graph.attention_masks import attention_shape
 from passes.graph.lowering import LoweringCache, StageVariants
@@ -134,10 +135,14 @@ class TrainOptions:
     """Before a strategy's first step, run each rank's lowering (tensor parallel, packed attention, pipeline
     split) on a small random probe against the model itself, eager, and refuse the strategy with a
     ``LoweringError`` naming every parameter whose gradient differs (``hcompile.verify``). Once per (scheme,
-    TP rank); skipped, with a warning, for models above ``self_check_max_params`` parameters (the probe holds
-    the whole model twice on every rank)."""
+    TP rank). Above ``self_check_max_params`` parameters (the probe holds the whole model twice on every rank) it
+    runs, for the same schemes and TP ranks, on a miniature of the model instead: a ``transformers`` model rebuilt
+    from its config with tiny widths and the same layers (``hcompile.miniature``; a refusal then says so); a
+    model without one (not a ``transformers`` model, or its miniature cannot be built) is not checked, with a
+    warning saying why. Ops that mix the tokens of packed sequences (``passes.graph.token_mixing``) are refused
+    at every size, with or without this check."""
     self_check_max_params: int = 1 << 28
-    """The largest model (in parameters) the self-check runs on."""
+    """The largest model (in parameters) the self-check runs on itself; above it, on its miniature."""
     self_check_max_tokens: int = SELF_CHECK_MAX_TOKENS
     """Bound on the self-check's probe, in tokens of one micro-batch (``bucket * cp``): each scheme is probed at its
     largest bucket within it, with a sequence longer than every window and chunk of the model; what the bound
@@ -426,12 +431,10 @@ class Trainer:
         self.cost_model = self._shaped(self.cost_model, analysed)
         params = sum(p.numel() for p in compiled.model.parameters())
         self._self_check = options.self_check and params <= options.self_check_max_params
-        if options.self_check and not self._self_check and self.ctx.rank == 0:
-            need, flops = self_check_cost(params, options.self_check_max_tokens, _bytes(self.param_dtype))
-            log.warning("the lowering self-check is skipped: the model has %d parameters, more than "
-                        "self_check_max_params=%d (its probe would hold about %.0f GB per rank and run %.2g FLOP; "
-                        "check the same architecture at a smaller size instead)",
-                        params, options.self_check_max_params, need / 1e9, flops)
+        self._miniature: MiniatureCheck | None = None
+        """Where the model is above ``self_check_max_params``: the miniature the self-check runs on instead."""
+        if options.self_check and not self._self_check:
+            self._miniature = self._miniature_check(params)
         calibrate = options.calibrate and self.ctx.rank == 0  # busy times: CUDA events on GPUs, CPU time here
         self.calibration = OnlineCalibration(self.cost_model) if calibrate else None
         """Rank 0's per-scheme correction of the cost model from measured steps (None: not calibrating)."""
@@ -453,6 +456,31 @@ class Trainer:
         self._compute_end: float | None = None
         """When the last step's compute phase ended (rank 0's clock): what the next plan may hide behind."""
         self.last_plan = None
+
+    def _miniature_check(self, params: int) -> MiniatureCheck | None:
+        """The self-check's miniature of a model of ``params`` parameters, above ``self_check_max_params``
+        (``hcompile.miniature``); None, with a warning saying why, where the model has none."""
+        options = self.options
+        tps = {e.scheme.tp for e in self.cost_model.entries}
+        if options.strategies != "auto":
+            tps.update(s.tp for name in options.strategies for s in Strategy.parse(name).replicas())
+        try:
+            mini = miniature_check(self.compiled, sorted(tps), self.lowerings, *self._compute_copies(),
+                                   cost_tokens=lambda scheme: self.cost_model.max_tokens(scheme))
+        except NotShrinkable as e:
+            if self.ctx.rank == 0:
+                need, flops = self_check_cost(params, options.self_check_max_tokens, _bytes(self.param_dtype))
+                log.warning("the lowering self-check is skipped: the model has %d parameters, more than "
+                            "self_check_max_params=%d (its probe would hold about %.0f GB per rank and run %.2g "
+                            "FLOP), and it has no miniature to check instead: %s (ops that mix packed sequences' "
+                            "tokens are refused at every size all the same)",
+                            params, options.self_check_max_params, need / 1e9, flops, e)
+            return None
+        if self.ctx.rank == 0:
+            log.info("the lowering self-check runs on a miniature of %s of %d parameters (the model has %d, more "
+                     "than self_check_max_params=%d)", type(self.compiled.model).__name__, mini.params, params,
+                     options.self_check_max_params)
+        return mini
 
     def _shaped(self, model: CostModel, analysed) -> CostModel:
         """``model`` with each sequence's attention work shaped by the model's windows and chunks, as decided for
@@ -619,6 +647,12 @@ class Trainer:
                              model=self.compiled.model, device=self.ctx.device, dtype=self.param_dtype,
                              self_check=self._self_check, checked=self._checked, vocab=self.vocab_size,
                              probe_tokens=self.options.self_check_max_tokens)
+            if self._miniature is not None:  # the model is too large for the check: its miniature is checked
+                mini = self._miniature
+                check_strategy(dry, rank=self.ctx.rank, groups=self.executor.groups_for(dry), lowerings=mini.lowerings,
+                               model=mini.compiled.model, device=self.ctx.device, dtype=self.param_dtype,
+                               checked=mini.checked, vocab=mini.vocab, probe_tokens=self.options.self_check_max_tokens,
+                               miniature=mini.params)
             self._warm.add(strategy)
             self._warm_places.update(zip(replicas, self._placement(strategy)))
             for bucket in (b for b in self.buckets.sizes if b <= max(top)):

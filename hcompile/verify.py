@@ -26,8 +26,8 @@ from runtime import distributed as comm
 if TYPE_CHECKING:
     from runtime.distributed import GroupCache
 
-__all__ = ["model_reference", "prepare_strategy", "probe_plan", "ProbePlan", "LoweringError", "SELF_CHECK_MAX_TOKENS",
-           "self_check_cost"]
+__all__ = ["check_strategy", "model_reference", "prepare_strategy", "probe_plan", "ProbePlan", "LoweringError",
+           "SELF_CHECK_MAX_TOKENS", "self_check_cost"]
 
 log = logging.getLogger("hcompile")
 
@@ -88,8 +88,25 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, whatever it is
         error = f"{scheme.describe()} on rank {rank}: {type(e).__name__}: {e}"
     _refuse(_agree(error), f"strategy {strategy.describe()} cannot be lowered")
-    if not self_check:
-        return
+    if self_check:
+        check_strategy(plan, rank=rank, groups=groups, lowerings=lowerings, model=model, device=device, dtype=dtype,
+                       checked=checked, vocab=vocab, probe_tokens=probe_tokens)
+
+
+def check_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerings: LoweringCache, model: nn.Module,
+                   device: torch.device, dtype: torch.dtype, checked: set, vocab: int | None,
+                   probe_tokens: int = SELF_CHECK_MAX_TOKENS, miniature: int | None = None) -> None:
+    """The self-check of :func:`prepare_strategy` alone: this rank's lowering of ``plan``'s strategy, from
+    ``lowerings`` (of ``model``), on a probe the first time this (scheme, TP rank) is met. ``miniature``: the
+    parameters of ``model`` when it is a miniature of the trained model (``hcompile.miniature``), which the
+    refusal says. Collective; raises the same :class:`LoweringError` on every rank when any rank failed."""
+    place = plan.place_of(rank)
+    stage, tp_rank, cp_rank = place.stage, place.tp_rank, place.cp_rank
+    replica = plan.replicas[place.replica]
+    scheme = replica.scheme
+    group = comm.group_name(groups.get(replica.tp_group(stage, cp_rank)))
+    cp_group = comm.group_name(groups.get(replica.cp_group(stage, tp_rank))) if scheme.cp > 1 else None
+    error = None
     key = (scheme, tp_rank, cp_rank)
     if key not in checked:  # the ranks that checked before still take part in the agreement below
         checked.add(key)
@@ -97,13 +114,16 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
             report = _check(lowerings, lowerings.lowering(scheme, stage, tp_rank, group, cp_rank, cp_group), group,
                             vocab, model, device, dtype, probe_tokens)
             error = None if report.ok else report.describe()
-            log.debug("lowering check: %s", report.describe())
+            log.debug("lowering check%s: %s", "" if miniature is None else " (miniature)", report.describe())
         except Exception as e:  # noqa: BLE001
             error = f"{scheme.describe()} on rank {rank}: the probe failed: {type(e).__name__}: {e}"
+    where = ("" if miniature is None else
+             f" (the check ran on a miniature of {miniature} parameters of the same architecture, "
+             "hcompile.miniature: the model itself is above self_check_max_params)")
     _refuse(_agree(error),
-            f"strategy {strategy.describe()} does not train this model correctly: its lowering, run on a probe, "
-            "computes something else than the model (self_check=False turns this check off; please report the "
-            "model)")
+            f"strategy {plan.strategy.describe()} does not train this model correctly: its lowering, run on a probe, "
+            f"computes something else than the model{where} (self_check=False turns this check off; please report "
+            "the model)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
