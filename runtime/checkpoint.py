@@ -408,6 +408,57 @@ def _own_version(folder: Path, pattern: re.Pattern) -> bool:
         return False
 
 
+def _marker_lock(folder: Path, how: int) -> int | None:
+    """An open descriptor of ``folder``'s marker holding ``flock`` ``how`` (non-blocking), never through a link;
+    None where the file system has no ``flock`` (nothing is held, a load then relies on its retries). Raises
+    BlockingIOError when the other kind of lock is held, and OSError when the marker is not there."""
+    fd = os.open(folder / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in _NO_FLOCK:
+            return None
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _not_read(folder: Path) -> Iterator[bool]:
+    """Within the block, whether ``folder`` (a version) may be removed: True while this holds an exclusive
+    ``flock`` on its marker (no load holds its shared one, and none can take it until the block ends), False
+    when a load is reading it."""
+    try:
+        fd = _marker_lock(folder, fcntl.LOCK_EX)
+    except BlockingIOError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _reading(folder: Path) -> Iterator[None]:
+    """Hold a shared ``flock`` on version ``folder``'s marker while a load reads it: a save's clean-up does not
+    remove a version a load holds (it leaves it to the next save), so a load racing a saving process is not
+    left without its files. A marker that is gone, or held for removal, is the version gone (:class:`_Gone`)."""
+    try:
+        fd = _marker_lock(folder, fcntl.LOCK_SH)
+    except BlockingIOError:
+        raise _Gone(f"reading {str(folder)!r}: a concurrent save is removing this version") from None
+    except OSError as exc:
+        raise _Gone(f"checkpoint {str(folder)!r}: its marker {MARKER} cannot be opened ({type(exc).__name__}: "
+                    f"{exc.strerror}): the version is damaged or not one a save wrote") from None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _remove_own(folder: Path) -> None:
     """Remove ``folder``, one a save wrote (its marker inside), never through a link, in an order that a kill
     at any moment leaves it recognisable: everything but the marker, then the marker, then the empty folder."""
@@ -444,10 +495,14 @@ def _remove_old_versions(path: Path, current: str, keep: int) -> None:
                       key=lambda n: int(n.rsplit("-", 1)[1], 16), reverse=True)
     for name in versions[keep - 1:]:
         deleting = path / f".{name}.del"
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), _not_read(path / name) as free:
+            if not free:  # a load is reading it: the next save removes it
+                continue
             os.rename(path / name, deleting)  # refused (kept) when an entry that is not an empty folder is there
             if not _own_version(deleting, _DELETING):  # replaced by something else since it was checked: put back
                 os.rename(deleting, path / name)
+                continue
+            _remove_quietly(deleting)  # still holding the marker's lock: no load starts reading it meanwhile
     for name in sorted(os.listdir(path)):
         entry = path / name
         if _DELETING.fullmatch(name) or _STALE.fullmatch(name):
@@ -630,12 +685,13 @@ def _load_version(path: Path, name: str, layout: FixedLayout, optimizer: torch.o
     """(error or None, whether a file was gone, what this rank loads from version ``name``), nothing changed."""
     folder = path / name
     try:
-        meta = _read_meta(folder)
-        _check_layout(meta, layout, optimizer, repr(str(folder)))
-        if check_extra is not None and (problem := check_extra(meta["extra"])) is not None:
-            raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
-        groups = _restored_groups(meta, optimizer, override)
-        return None, False, (meta, groups, *_read_shard(folder, meta, layout))
+        with _reading(folder):
+            meta = _read_meta(folder)
+            _check_layout(meta, layout, optimizer, repr(str(folder)))
+            if check_extra is not None and (problem := check_extra(meta["extra"])) is not None:
+                raise CheckpointError(f"checkpoint {str(folder)!r}: meta.json is damaged: {problem}")
+            groups = _restored_groups(meta, optimizer, override)
+            return None, False, (meta, groups, *_read_shard(folder, meta, layout))
     except _Gone as exc:
         return str(exc), True, None
     except CheckpointError as exc:

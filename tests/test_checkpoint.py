@@ -628,13 +628,48 @@ def test_a_process_killed_while_removing_an_old_version_leaves_what_the_next_sav
     assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", _version(ckpt).name]
 
 
+def test_a_save_leaves_the_version_a_load_reads_to_the_next_save(tmp_path, monkeypatch):
+    """A load holds a shared ``flock`` on its version's marker while it reads: saves (keep=1) that run meanwhile
+    leave that version in place, the load reads it whole, and the next save removes it."""
+    import runtime.checkpoint as mod
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    ckpt, layout, opt = tmp_path / "ckpt", *_sgd(1.0)
+    save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
+    first, read_meta, saves = _version(ckpt).name, mod._read_meta, [2]
+
+    def racing(folder):  # two saves by another process, between this load's reading meta.json and its rank files
+        meta = read_meta(folder)
+        for _ in range(2):
+            other, other_opt = _sgd(float(saves[0]))
+            save_checkpoint(ckpt, other, other_opt, step=saves[0], data_position=saves[0])
+            saves[0] += 1
+        return meta
+
+    monkeypatch.setattr(mod, "_read_meta", racing)
+    fresh, fresh_opt = _sgd(0.0)
+    assert load_checkpoint(ckpt, fresh, fresh_opt)["step"] == 1 and bool((fresh.shard.detach() == 1.0).all())
+    monkeypatch.undo()
+    assert first in {p.name for p in ckpt.iterdir()}  # kept while it was read
+    save_checkpoint(ckpt, layout, opt, step=4, data_position=4)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", _version(ckpt).name]
+
+
+def _without_flock(folder, how):
+    """``_marker_lock`` on a file system without ``flock``: the marker opened and nothing held."""
+    os.close(os.open(folder / ".hydraulis-version", os.O_RDONLY | os.O_NOFOLLOW))
+    return None
+
+
 def test_a_load_whose_version_a_save_removes_meanwhile_loads_the_new_one(tmp_path, monkeypatch):
-    """A save (keep=1) that runs while a load reads ``meta.json`` removes the version being read: the load
-    reads the version ``LATEST`` names now. A rank file missing while ``LATEST`` still names its version is
-    damage, reported as before; a version removed on every try is a bounded error that says to load again."""
+    """Without ``flock`` (nothing holds the version a load reads), a save (keep=1) that runs while a load reads
+    ``meta.json`` removes the version being read: the load reads the version ``LATEST`` names now. A rank file
+    missing while ``LATEST`` still names its version is damage, reported as before; a version removed on every
+    try is a bounded error that says to load again."""
     import runtime.checkpoint as mod
     from runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
+    monkeypatch.setattr(mod, "_marker_lock", _without_flock)
     ckpt, layout, opt = tmp_path / "ckpt", *_sgd(1.0)
     save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
     read_meta, saves, last = mod._read_meta, [2], [3]
@@ -651,7 +686,7 @@ def test_a_load_whose_version_a_save_removes_meanwhile_loads_the_new_one(tmp_pat
     fresh, fresh_opt = _sgd(0.0)
     assert load_checkpoint(ckpt, fresh, fresh_opt)["step"] == 3  # lost to the saves of 2 and 3, then read 3
     assert bool((fresh.shard.detach() == 3.0).all())
-    monkeypatch.undo()
+    monkeypatch.setattr(mod, "_read_meta", read_meta)
     (_version(ckpt) / "rank0.safetensors").unlink()
     with pytest.raises(CheckpointError, match="loading the checkpoint failed on rank 0: reading .*FileNotFound"):
         load_checkpoint(ckpt, fresh, fresh_opt)
@@ -730,9 +765,11 @@ SAVER = textwrap.dedent("""
 
 def test_loads_racing_a_saving_process_all_succeed_with_one_version(tmp_path, monkeypatch):
     """One process saves in a loop (keep=1, every value equal to the step) while this one loads in a loop for
-    2-5 s, each load pausing 10 ms after ``meta.json`` (a slow file system): every load succeeds and gives one
-    version's values (each equal to the step it returns); some lost the race (their version removed while
-    read) and read the newer one."""
+    3 s, each load pausing 10 ms after ``meta.json`` (a slow file system): every load succeeds and gives one
+    version's values (each equal to the step it returns), at most a few of them on a second try (``LATEST``
+    moved between reading it and holding the version's marker), the saver's versions read meanwhile left to
+    its next saves. (Before loads held the marker, a load lost to a busy saver 8 times in a row in one CI
+    run; the retries without ``flock`` are ``test_a_load_whose_version_a_save_removes_meanwhile_...``.)"""
     import time
 
     import runtime.checkpoint as mod
@@ -762,7 +799,7 @@ def test_loads_racing_a_saving_process_all_succeed_with_one_version(tmp_path, mo
     try:
         assert saver.stdout.readline().strip() == "saved", saver.stderr.read()[-2000:]
         loads, steps, start = 0, set(), time.monotonic()
-        while time.monotonic() - start < 5 and (time.monotonic() - start < 2 or tries[0] == loads):
+        while time.monotonic() - start < 3:
             meta = load_checkpoint(folder, layout, opt)
             shard = layout.shard.detach()
             assert meta["data_position"] == meta["step"] and bool((shard == meta["step"]).all()), meta["step"]
@@ -773,4 +810,4 @@ def test_loads_racing_a_saving_process_all_succeed_with_one_version(tmp_path, mo
     finally:
         saver.kill()
     assert saver.returncode == 0, err[-2000:]
-    assert loads > 5 and len(steps) > 2 and tries[0] > loads, (loads, len(steps), tries[0], out)
+    assert loads > 5 and len(steps) > 2 and tries[0] < 2 * loads, (loads, len(steps), tries[0], out)
