@@ -65,6 +65,17 @@ def _refuse(errors: list[str], what: str) -> None:
                                                                      if len(unique) > 4 else ""))
 
 
+def _rank_place(plan: StepPlan, rank: int, groups: "GroupCache") -> tuple:
+    """(scheme, stage, TP rank, CP rank, TP group name, CP group name or None) of ``rank`` in ``plan``."""
+    place = plan.place_of(rank)
+    stage, tp_rank, cp_rank = place.stage, place.tp_rank, place.cp_rank
+    replica = plan.replicas[place.replica]
+    scheme = replica.scheme
+    group = comm.group_name(groups.get(replica.tp_group(stage, cp_rank)))
+    cp_group = comm.group_name(groups.get(replica.cp_group(stage, tp_rank))) if scheme.cp > 1 else None
+    return scheme, stage, tp_rank, cp_rank, group, cp_group
+
+
 def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerings: LoweringCache, model: nn.Module,
                      device: torch.device, dtype: torch.dtype, self_check: bool, checked: set,
                      vocab: int | None, probe_tokens: int = SELF_CHECK_MAX_TOKENS) -> None:
@@ -75,12 +86,7 @@ def prepare_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerin
     matter); ``groups``: its process groups. Collective; raises the same :class:`LoweringError` on every rank
     when any rank failed."""
     strategy = plan.strategy
-    place = plan.place_of(rank)
-    stage, tp_rank, cp_rank = place.stage, place.tp_rank, place.cp_rank
-    replica = plan.replicas[place.replica]
-    scheme = replica.scheme
-    group = comm.group_name(groups.get(replica.tp_group(stage, cp_rank)))
-    cp_group = comm.group_name(groups.get(replica.cp_group(stage, tp_rank))) if scheme.cp > 1 else None
+    scheme, stage, tp_rank, cp_rank, group, cp_group = _rank_place(plan, rank, groups)
     error = None
     try:  # every bucket the scheme runs: a rewrite that fails at any of them fails here, on every rank alike
         for bucket in (b for b in lowerings.buckets.sizes if b <= lowerings.top_bucket(scheme)):
@@ -100,12 +106,7 @@ def check_strategy(plan: StepPlan, *, rank: int, groups: "GroupCache", lowerings
     ``lowerings`` (of ``model``), on a probe the first time this (scheme, TP rank) is met. ``miniature``: the
     parameters of ``model`` when it is a miniature of the trained model (``hcompile.miniature``), which the
     refusal says. Collective; raises the same :class:`LoweringError` on every rank when any rank failed."""
-    place = plan.place_of(rank)
-    stage, tp_rank, cp_rank = place.stage, place.tp_rank, place.cp_rank
-    replica = plan.replicas[place.replica]
-    scheme = replica.scheme
-    group = comm.group_name(groups.get(replica.tp_group(stage, cp_rank)))
-    cp_group = comm.group_name(groups.get(replica.cp_group(stage, tp_rank))) if scheme.cp > 1 else None
+    scheme, stage, tp_rank, cp_rank, group, cp_group = _rank_place(plan, rank, groups)
     error = None
     key = (scheme, tp_rank, cp_rank)
     if key not in checked:  # the ranks that checked before still take part in the agreement below

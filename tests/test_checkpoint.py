@@ -628,6 +628,23 @@ def test_a_process_killed_while_removing_an_old_version_leaves_what_the_next_sav
     assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", _version(ckpt).name]
 
 
+def _racing_saves(read_meta, ckpt, saves, last, per_read=1):
+    """``_read_meta`` that, after reading, runs ``per_read`` saves (keep=1) into ``ckpt`` as another process
+    would between a load's reading meta.json and its rank files: steps ``saves[0]``, ``saves[0] + 1``, ... up to
+    ``last[0]``, every value equal to the step (both lists may be changed by the caller between loads)."""
+    from runtime.checkpoint import save_checkpoint
+
+    def racing(folder):
+        meta = read_meta(folder)
+        for _ in range(per_read):
+            if saves[0] <= last[0]:
+                other, other_opt = _sgd(float(saves[0]))
+                save_checkpoint(ckpt, other, other_opt, step=saves[0], data_position=saves[0])
+                saves[0] += 1
+        return meta
+    return racing
+
+
 def test_a_save_leaves_the_version_a_load_reads_to_the_next_save(tmp_path, monkeypatch):
     """A load holds a shared ``flock`` on its version's marker while it reads: saves (keep=1) that run meanwhile
     leave that version in place, the load reads it whole, and the next save removes it."""
@@ -636,17 +653,8 @@ def test_a_save_leaves_the_version_a_load_reads_to_the_next_save(tmp_path, monke
 
     ckpt, layout, opt = tmp_path / "ckpt", *_sgd(1.0)
     save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
-    first, read_meta, saves = _version(ckpt).name, mod._read_meta, [2]
-
-    def racing(folder):  # two saves by another process, between this load's reading meta.json and its rank files
-        meta = read_meta(folder)
-        for _ in range(2):
-            other, other_opt = _sgd(float(saves[0]))
-            save_checkpoint(ckpt, other, other_opt, step=saves[0], data_position=saves[0])
-            saves[0] += 1
-        return meta
-
-    monkeypatch.setattr(mod, "_read_meta", racing)
+    first = _version(ckpt).name
+    monkeypatch.setattr(mod, "_read_meta", _racing_saves(mod._read_meta, ckpt, [2], [3], per_read=2))
     fresh, fresh_opt = _sgd(0.0)
     assert load_checkpoint(ckpt, fresh, fresh_opt)["step"] == 1 and bool((fresh.shard.detach() == 1.0).all())
     monkeypatch.undo()
@@ -673,15 +681,7 @@ def test_a_load_whose_version_a_save_removes_meanwhile_loads_the_new_one(tmp_pat
     ckpt, layout, opt = tmp_path / "ckpt", *_sgd(1.0)
     save_checkpoint(ckpt, layout, opt, step=1, data_position=1)
     read_meta, saves, last = mod._read_meta, [2], [3]
-
-    def racing(folder):  # a save by another process, between this load's reading meta.json and its rank files
-        meta = read_meta(folder)
-        if saves[0] <= last[0]:
-            other, other_opt = _sgd(float(saves[0]))
-            save_checkpoint(ckpt, other, other_opt, step=saves[0], data_position=saves[0])
-            saves[0] += 1
-        return meta
-
+    racing = _racing_saves(read_meta, ckpt, saves, last)
     monkeypatch.setattr(mod, "_read_meta", racing)
     fresh, fresh_opt = _sgd(0.0)
     assert load_checkpoint(ckpt, fresh, fresh_opt)["step"] == 3  # lost to the saves of 2 and 3, then read 3
