@@ -29,6 +29,16 @@ def say(case: str, rank: int, result: dict) -> None:
     sys.stdout.flush()
 
 
+def read_cases(stdout: str) -> dict[str, list]:
+    """What :func:`say` wrote, read back: each case's result per rank, ``{case: [rank 0's, rank 1's]}``."""
+    results: dict[str, list] = {}
+    for line in stdout.splitlines():
+        if line.startswith("case "):
+            _, case, rank, value = line.split(" ", 3)
+            results.setdefault(case, [None, None])[int(rank)] = json.loads(value)
+    return results
+
+
 def files(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` (hidden ones too): its path relative to ``folder`` and its sha256."""
     return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()

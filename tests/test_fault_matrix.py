@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_refusals import read_cases
 
 from runtime.checkpoint import load_checkpoint
 from runtime.fixed_layout import FixedLayout
@@ -171,12 +172,7 @@ def round_three(tmp_path_factory) -> dict[str, list[dict]]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and proc.stdout.count("finished") == 2, out[-4000:]
     _checkpoint_intact(tmp / "ckpt")
-    results: dict[str, list] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("case "):
-            _, case, rank, value = line.split(" ", 3)
-            results.setdefault(case, [None, None])[int(rank)] = json.loads(value)
-    return results
+    return read_cases(proc.stdout)
 
 
 def _on_every_rank(results: list[dict], key: str, kind: str, *needles: str) -> None:

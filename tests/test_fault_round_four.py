@@ -7,7 +7,6 @@ the ranks train on together afterwards."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_refusals import read_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -46,12 +46,7 @@ def round_four(tmp_path_factory) -> dict[str, list[dict]]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and proc.stdout.count("finished") == 2, out[-4000:]
     assert elapsed < 120, f"took {elapsed:.0f}s: a collective timed out"
-    results: dict[str, list] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("case "):
-            _, case, rank, value = line.split(" ", 3)
-            results.setdefault(case, [None, None])[int(rank)] = json.loads(value)
-    return results
+    return read_cases(proc.stdout)
 
 
 def test_one_ranks_iterator_raising_is_the_same_error_and_a_caught_save_keeps_the_untrained_batch(round_four):
