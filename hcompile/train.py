@@ -241,21 +241,25 @@ class TrainOptions:
                 Strategy.parse(text)
 
 
-def _without_tensor_parallel(model: CostModel, analysed, rank: int) -> CostModel:
-    """``model`` without its tensor-parallel schemes when the model has no tensor-parallel form at all
-    (``split_dims`` raises: a tied embedding whose head reads a split input, ...), so that ``auto`` plans what
-    can run instead of refusing the job at the first tp > 1 lowering; unchanged otherwise, or when it has no
-    tp1 scheme to plan with."""
+def _split_dims(analysed) -> tuple[dict, PassError | None]:
+    """Tensor parallelism's split dim of every parameter it splits, and None; or no dims and why the model has
+    no tensor-parallel form at all (a tied embedding whose head reads a split input, ...)."""
     try:
-        split_dims(canonical_graph(analysed))
-        return model
+        return split_dims(canonical_graph(analysed)), None
     except PassError as exc:
-        kept = tuple(e for e in model.entries if e.scheme.tp == 1)
-        if not kept or len(kept) == len(model.entries):
-            return model
-        if rank == 0:
-            log.info("strategies='auto' plans without tensor parallelism: %s", exc)
-        return dataclasses.replace(model, entries=kept)
+        return {}, exc
+
+
+def _without_tensor_parallel(model: CostModel, no_tp_form: PassError, rank: int) -> CostModel:
+    """``model`` without its tensor-parallel schemes, for a model with no tensor-parallel form (``no_tp_form``
+    says why), so that ``auto`` plans what can run instead of refusing the job at the first tp > 1 lowering;
+    unchanged when it has no tp1 scheme to plan with, or no other."""
+    kept = tuple(e for e in model.entries if e.scheme.tp == 1)
+    if not kept or len(kept) == len(model.entries):
+        return model
+    if rank == 0:
+        log.info("strategies='auto' plans without tensor parallelism: %s", no_tp_form)
+    return dataclasses.replace(model, entries=kept)
 
 
 def _lists_recomputation(strategies: str | tuple[str, ...]) -> bool:
@@ -382,7 +386,11 @@ class Trainer:
         self.param_dtype = options.param_dtype or (torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32)
         """The compute copies' dtype (the master weights and optimiser state stay fp32)."""
         analysed = self._captured(ANALYSIS_TOKENS)
-        self.layout = _layout(compiled, analysed, self.ctx, init=init, state_dict=state_dict)
+        dims, no_tp_form = _split_dims(analysed)
+        if no_tp_form is not None:  # every tp > 1 strategy is then refused by its lowering, with this reason
+            log.info("tensor parallelism has no form for this model (%s); the fixed layout stores parameters whole",
+                     no_tp_form)
+        self.layout = _layout(compiled, dims, self.ctx, init=init, state_dict=state_dict)
         self.vocab_size = token_vocab(analysed)
         """Token ids of a batch must be below it (None: the graph's token table was not found; unchecked)."""
         self.optimizer = options.optimizer([self.layout.shard], **dict(options.optimizer_kwargs))
@@ -410,8 +418,8 @@ class Trainer:
                                                  options.tokens_per_rank, memory, self.ctx.device, memory=held,
                                                  memory_bytes=usable, recompute=recompute)
         model = add_listed_cp_schemes(model, options.strategies)
-        if options.strategies == "auto":
-            model = _without_tensor_parallel(model, analysed, self.ctx.rank)
+        if options.strategies == "auto" and no_tp_form is not None:
+            model = _without_tensor_parallel(model, no_tp_form, self.ctx.rank)
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)
                                        for e in model.entries})
@@ -916,17 +924,12 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
-def _layout(compiled: CompiledModel, analysed, ctx: DistContext, *, init: Init | None,
+def _layout(compiled: CompiledModel, dims: Mapping[str, int], ctx: DistContext, *, init: Init | None,
             state_dict: Mapping[str, torch.Tensor] | None) -> FixedLayout:
-    """The fixed layout of the model's parameters (tensor parallelism's split dims stored outermost), filled once
-    from what rank 0 was given (``runtime.fixed_layout.fill_layout``); the parameters that do not require a
-    gradient are frozen in it (``FixedLayout.freeze``: training keeps them as they are)."""
+    """The fixed layout of the model's parameters (tensor parallelism's split ``dims`` stored outermost; none:
+    stored whole), filled once from what rank 0 was given (``runtime.fixed_layout.fill_layout``); the parameters
+    that do not require a gradient are frozen in it (``FixedLayout.freeze``: training keeps them as they are)."""
     named = dict(compiled.model.named_parameters())
-    try:
-        dims = split_dims(canonical_graph(analysed))
-    except PassError as exc:  # every tp > 1 strategy is then refused by its lowering, with this reason
-        log.info("tensor parallelism has no form for this model (%s); the fixed layout stores parameters whole", exc)
-        dims = {}
     layout = FixedLayout({n: tuple(p.shape) for n, p in named.items()}, ctx.rank, ctx.world_size, ctx.device, dims)
     fill_layout(layout, init=init, state_dict=state_dict, named=named)
     layout.freeze(n for n, p in named.items() if not p.requires_grad)
