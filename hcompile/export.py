@@ -58,6 +58,7 @@ from torch import nn
 from runtime import distributed as comm
 from runtime.executor import NonFiniteError
 from runtime.fixed_layout import FixedLayout
+from runtime.own_files import NO_FLOCK, pid_runs, read_own, write_new
 
 __all__ = ["save_pretrained", "parse_size", "export_dtype", "recover", "ExportError", "RECORD"]
 
@@ -269,7 +270,7 @@ def _write_config(model: nn.Module, folder: Path, dtype: torch.dtype) -> list[st
 def _earlier_export(target: Path) -> list[str]:
     """The files an earlier export listed in ``target`` that are still there as it wrote them (same size)."""
     try:
-        record = json.loads(_read_own(target / RECORD))
+        record = json.loads(read_own(target / RECORD))
         files = record["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
@@ -289,22 +290,6 @@ def _is_file(path: Path, nbytes: int | None = None) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and (nbytes is None or st.st_size == nbytes)
-
-
-def _read_own(path: Path) -> str:
-    """The text of one of the project's own files, never through a symbolic link (ELOOP: an OSError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, encoding="utf-8") as file:
-        return file.read()
-
-
-def _write_own(path: Path, text: str) -> None:
-    """Create one of the project's own files (never through a link, never over an existing one), synced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 def _sync(path: Path, directory: bool = False) -> None:
@@ -332,7 +317,7 @@ def _move_into_place(staging: Path, target: Path, files: list[str]) -> None:
     """Make ``target`` hold the staged files (and the record of them), all synced first: one rename of the
     staged folder when ``target`` does not exist; otherwise, under a journal, the files replaced or left over
     from an earlier export are set aside, the new ones moved in, and on any failure everything is put back."""
-    _write_own(staging / RECORD, json.dumps({"files": {f: os.lstat(staging / f).st_size for f in files}},
+    write_new(staging / RECORD, json.dumps({"files": {f: os.lstat(staging / f).st_size for f in files}},
                                             indent=2, sort_keys=True) + "\n")
     new = [*files, RECORD]
     for name in new:
@@ -351,7 +336,7 @@ def _move_into_place(staging: Path, target: Path, files: list[str]) -> None:
     aside = staging / _ASIDE
     aside.mkdir()
     replaced = sorted(earlier | {f for f in new if os.path.lexists(target / f)})
-    _write_own(staging / _JOURNAL, json.dumps({"target": target.name, "aside": replaced,
+    write_new(staging / _JOURNAL, json.dumps({"target": target.name, "aside": replaced,
                                                "files": {f: os.lstat(staging / f).st_size for f in new}}) + "\n")
     _sync(staging, directory=True)
     moved_aside: list[str] = []
@@ -383,8 +368,6 @@ _ASIDE = ".replaced"
 _JOURNAL = ".hydraulis-move.json"
 """The journal of a move over an existing target, in the staging folder: present from before the first file is
 set aside until every new file is in (``{"target": name, "aside": [names], "files": {name: bytes}}``)."""
-_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
-"""What ``flock`` raises on a file system without it (Lustre mounted without ``flock``, some FUSE ones)."""
 _ACTIVE: set[str] = set()
 """The lock files this process holds now (for the no-``flock`` fallback: one of ours that is not here is stale)."""
 
@@ -453,12 +436,8 @@ def _owner_alive(owner: Any) -> bool:
     pid = owner["pid"]
     if pid == os.getpid():
         return False  # this process's live claims are found by _ACTIVE before
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_runs(pid):
         return False
-    except PermissionError:
-        pass
     started = _start_time(pid)
     return started is None or owner.get("start") is None or started == owner.get("start")
 
@@ -481,7 +460,7 @@ def _take_over(lock: Path) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         alive = True
-        if exc.errno in _NO_FLOCK:
+        if exc.errno in NO_FLOCK:
             text = os.pread(fd, 1 << 16, 0)
             try:
                 alive = _owner_alive(json.loads(text))
@@ -546,7 +525,7 @@ def _settle(folder: Path, target: Path) -> str:
     outcome = "removed (the move into place had not begun, or had ended)"
     if os.path.lexists(folder / _JOURNAL):
         try:
-            journal = json.loads(_read_own(folder / _JOURNAL))
+            journal = json.loads(read_own(folder / _JOURNAL))
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise ExportError(f"{str(folder / _JOURNAL)!r} is a symbolic link where an export's journal "

@@ -51,6 +51,7 @@ import torch
 from runtime import distributed as comm
 from runtime.checkpoint_meta import group_problem, json_problem, meta_problem
 from runtime.fixed_layout import FixedLayout
+from runtime.own_files import NO_FLOCK, create_new, pid_runs, read_own, write_new
 
 __all__ = ["save_checkpoint", "load_checkpoint", "folder_lock", "CheckpointError", "FORMAT", "MARKER", "LOCK",
            "DEFAULT_KEEP"]
@@ -71,6 +72,8 @@ _DELETING = re.compile(r"\.v\d{8,}-[0-9a-f]+\.del")
 _LINK = "is a symbolic link; hydraulis does not write through links"
 _LOAD_TRIES = 8
 """Versions a load tries when a concurrent save's clean-up removes the version it is reading."""
+_SMALL = 1 << 16
+"""The most of a lock file that is read (its owner's host, pid and start)."""
 
 
 class CheckpointError(RuntimeError):
@@ -108,29 +111,29 @@ def _refuse_link(file: Path) -> None:
         raise CheckpointError(f"{str(file)!r} {_LINK}: not saved (remove the link, or save into another folder)")
 
 
+def _taken(entry: Path) -> CheckpointError:
+    """The refusal of a save whose own new file or folder ``entry`` is already there (a link planted there is
+    named as one); the entry is left as it is."""
+    _refuse_link(entry)
+    return CheckpointError(f"{str(entry)!r} already exists: not saved")
+
+
 def _create(file: Path) -> int:
-    """``file`` created and opened for writing, never through a link: an entry already there (a link planted
-    where this save's own file goes) is refused by name and left as it is."""
+    """``file`` created and opened for writing, never through a link (``own_files.create_new``): an entry
+    already there is refused by name and left as it is."""
     try:
-        return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        return create_new(file)
     except FileExistsError:
-        _refuse_link(file)
-        raise CheckpointError(f"{str(file)!r} already exists: not saved") from None
+        raise _taken(file) from None
 
 
 def _write_new(file: Path, text: str) -> None:
-    """Write and flush a new file ``file`` (see :func:`_create`); removed again if writing it fails."""
-    fd = _create(file)
+    """Write and flush a new file ``file`` (``own_files.write_new``); an entry already there is refused by
+    name and left as it is."""
     try:
-        data = text.encode()
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    except BaseException:
-        file.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
+        write_new(file, text)
+    except FileExistsError:
+        raise _taken(file) from None
 
 
 def _mkdir_new(folder: Path) -> None:
@@ -138,19 +141,7 @@ def _mkdir_new(folder: Path) -> None:
     try:
         folder.mkdir()
     except FileExistsError:
-        _refuse_link(folder)
-        raise CheckpointError(f"{str(folder)!r} already exists: not saved") from None
-
-
-def _read_small(file: Path, limit: int = 1 << 16) -> str:
-    """The first ``limit`` bytes of the regular file ``file`` as text, never read through a link (OSError)."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(file))
-        return os.read(fd, limit).decode(errors="replace")
-    finally:
-        os.close(fd)
+        raise _taken(folder) from None
 
 
 def _pieces(layout: FixedLayout, owner: int) -> list[tuple[str, int, int, int]]:
@@ -269,10 +260,10 @@ def folder_lock(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno in _NO_FLOCK and not _held_elsewhere(file):
+            if exc.errno in NO_FLOCK and not _held_elsewhere(file):
                 break
             os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, *_NO_FLOCK):
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, *NO_FLOCK):
                 raise CheckpointError(f"cannot lock {str(file)!r}: {exc}") from None
             raise CheckpointError(f"{str(path)!r} is being saved by {_owner(file)} (lock file {str(file)!r}): not "
                                   f"saved; save again once that save has ended, or into another folder") from None
@@ -316,15 +307,11 @@ def _open_lock(file: Path) -> int:
     return fd
 
 
-_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
-"""What ``flock`` raises on a file system without it (Lustre mounted without ``flock``, some FUSE ones)."""
-
-
 def _held_elsewhere(file: Path) -> bool:
     """Without ``flock``: whether the lock file names another process that may still run (one on this host
     that is gone does not hold it; one on another host cannot be asked, so it does)."""
     try:
-        owner = json.loads(_read_small(file) or "null")
+        owner = json.loads(read_own(file, _SMALL) or "null")
     except (OSError, ValueError):
         return True
     if not isinstance(owner, dict):
@@ -334,21 +321,13 @@ def _held_elsewhere(file: Path) -> bool:
     pid = owner.get("pid")
     if type(pid) is not int:
         return True
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid != os.getpid() and pid_runs(pid)
 
 
 def _owner(file: Path) -> str:
     """Who holds the lock, as its file says."""
     try:
-        owner = json.loads(_read_small(file))
+        owner = json.loads(read_own(file, _SMALL))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(owner["since"])))
         return f"another process (host {owner['host']}, pid {owner['pid']}, since {since})"
     except (OSError, ValueError, KeyError, TypeError):
@@ -417,7 +396,7 @@ def _marker_lock(folder: Path, how: int) -> int | None:
         fcntl.flock(fd, how | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
-        if exc.errno in _NO_FLOCK:
+        if exc.errno in NO_FLOCK:
             return None
         raise
     return fd
@@ -544,7 +523,7 @@ def _latest(path: Path) -> str:
     """The version ``LATEST`` names (read without following a link)."""
     latest = path / "LATEST"
     try:
-        text = _read_small(latest, 4096)
+        text = read_own(latest, 4096)
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {str(path)!r} (no LATEST file)") from None
     except OSError as exc:
