@@ -25,9 +25,11 @@ Loading reads safetensors and JSON only (no pickle, so a crafted file runs no co
 metadata's types, the checksum of every file it reads, every piece's dtype (float32) and element count
 against the layout and that the values are finite, reads what it needs for its shard (any number of ranks,
 any strategy pool) into memory, the ranks agree that all of them succeeded, and only then is anything
-changed. Every rank reads the version rank 0 finds in ``LATEST``; a load that loses a race with a concurrent
-save's clean-up (a file of its version gone and ``LATEST`` naming a newer one) reads the newer one, on every
-rank alike, a bounded number of times.
+changed. Every rank reads the version rank 0 finds in ``LATEST``, holding a shared ``flock`` on its marker
+while it reads; a save's clean-up takes an exclusive one before it removes a version and leaves a version a load
+holds to the next save. A load that still loses a race with a concurrent save's clean-up (``LATEST`` moved before
+it held the marker, or no ``flock`` on the file system) reads the newer one, on every rank alike, a bounded
+number of times.
 """
 
 from __future__ import annotations
