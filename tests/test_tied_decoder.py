@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_util import run_ranks
+from test_equivalence import reference_sgd
 from torch import nn
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4
@@ -72,18 +73,9 @@ def _batches() -> list[list[torch.Tensor]]:
 
 
 def _reference(full: bool, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch: the mean next-token loss over each batch, one SGD step per batch."""
-    model = _model(full)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for batch in _batches():
-        pairs = sum(len(s) - 1 for s in batch)
-        loss = sum(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum") for s in batch) / pairs
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    """Plain PyTorch (``test_equivalence.reference_sgd``): the losses, and the parameters after the last step."""
+    losses, states = reference_sgd(_model(full), _batches(), lr)
+    return losses, states[-1]
 
 
 def _train(rank, world, full, strategy, lr):
