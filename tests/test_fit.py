@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import run_ranks
+from fault_round_four import Tokens, position_after
+from fault_round_four import data as _data
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,38 +58,6 @@ def test_the_readme_loop_hides_planning_from_the_second_step(tmp_path):
         assert all(hidden for hidden, _, _ in steps[1:])  # rank 0's verdict, broadcast with the plan
 
 
-DOCS = [("abcdefghij" * 6)[: 20 + 7 * (i % 6)] + str(i) for i in range(30)]  # each one sequence under max_len 64
-
-
-class Tokens:
-    """Bytes modulo 64; ``fail_at``: the encode call (1-based) that raises ``ValueError`` once."""
-
-    vocab_size = 64
-
-    def __init__(self, fail_at: int | None = None):
-        self.calls, self.fail_at = 0, fail_at
-
-    def encode(self, text):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise ValueError(f"corrupt record in encode call {self.calls}")
-        return [b % 64 for b in text.encode()]
-
-
-def _data(tokenizer=None):
-    from hcompile.data import Corpus, TokenBatches
-
-    return TokenBatches(Corpus(DOCS), tokenizer or Tokens(), tokens_per_batch=128, max_len=64, seed=2)
-
-
-def _after(n: int) -> dict:
-    """The position of a fresh source after ``n`` batches."""
-    data = _data()
-    for _ in range(n):
-        data.next_batch()
-    return data.state_dict()
-
-
 def _fit_after_errors(rank, world):
     import hcompile
     from hcompile.data import DataError
@@ -102,15 +72,15 @@ def _fit_after_errors(rank, world):
     reference.tokenizer = probe
     for _ in range(4):
         reference.next_batch()
-    data, trained, positions = _data(Tokens(fail_at=probe.calls + 1)), [], []
+    data, trained, positions = _data(Tokens(fail_rank=0, fail_at=probe.calls + 1)), [], []
     try:
         trainer.fit(data, steps=10, on_step=lambda step, s: (trained.append(step),
                                                              positions.append(trainer.data_position(data))))
     except DataError as exc:
-        out["a"] = [str(exc), type(exc.__cause__).__name__, len(trained), data.state_dict() == _after(3),
-                    positions == [_after(n) for n in (1, 2, 3)]]
+        out["a"] = [str(exc), type(exc.__cause__).__name__, len(trained), data.state_dict() == position_after(3),
+                    positions == [position_after(n) for n in (1, 2, 3)]]
     # resumed from that position, the next batch is batch 3
-    out["a_resumes"] = all(torch.equal(x, y) for x, y in zip(next(data), _data_after(3)))
+    out["a_resumes"] = all(torch.equal(x, y) for x, y in zip(next(data), _next_batch_after(3)))
     # B: on_step raises after step 1: the batch fit held is put back
     data = _data()
 
@@ -120,7 +90,7 @@ def _fit_after_errors(rank, world):
     try:
         trainer.fit(data, on_step=stop)
     except KeyboardInterrupt:
-        out["b"] = data.state_dict() == _after(2)
+        out["b"] = data.state_dict() == position_after(2)
     # C: a plain generator that raises: the batch held is in trainer.untrained
     def gen():
         source = _data()
@@ -139,7 +109,7 @@ def _fit_after_errors(rank, world):
     return out
 
 
-def _data_after(n: int):
+def _next_batch_after(n: int):
     data = _data()
     for _ in range(n):
         data.next_batch()
