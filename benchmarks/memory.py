@@ -214,6 +214,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...],
     from passes.plan.ir import Strategy
     from passes.plan.movement import movement_time
     from runtime.link_probe import probe_links
+    from runtime.redistribute import total
 
     with hcompile.empty_init():
         model = Llama(cfg)
@@ -239,6 +240,9 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...],
         move = executor.redistribution_of(Strategy.parse(strategy))
         size = layout.shard.element_size()
         owned = move.numel - move.local_numel
+        # a TP rank above 0 pushes no replicated parameter (runtime.stage_params.StageParams.push_ranges)
+        push_sent = sum(total(r) for k, parts in enumerate(move.push_segments) if k != rank for r in parts)
+        push_received = sum(total(r) for j, r in enumerate(move.push_serves) if j != rank)
         before = _full_vector_movement(layout, move)
         predicted = movement_time(compute, Strategy.parse(strategy), links, param_bytes=size, reduce_bytes=4,
                                   chunk_numel=executor.chunk_numel)
@@ -247,7 +251,7 @@ def _rank(rank: int, world: int, cfg: LlamaConfig, strategies: tuple[str, ...],
             strategy=strategy, rank=rank, slice_bytes=move.numel * size, shard_bytes=2 * layout.shard_numel * 4,
             received=stats.traffic.params_received + stats.traffic.grads_received,
             sent=stats.traffic.params_sent + stats.traffic.grads_sent,
-            ideal_received=(owned + move.served_numel()) * size, ideal_sent=(move.served_numel() + owned) * size,
+            ideal_received=(owned + push_received) * size, ideal_sent=(move.served_numel() + push_sent) * size,
             peak_movement=meter.movement_peak(), peak_step=max(meter.peaks.values()),
             pred_pull_ms=predicted.pull_ms, pred_push_ms=predicted.push_ms, measured_pull_ms=measured_pull,
             measured_push_ms=measured_push, **before)

@@ -127,18 +127,22 @@ class CompiledModel:
     def lowerings(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
                   buckets: TokenBuckets | None = None,
                   cost_tokens: Callable[[ParallelScheme], int] | None = None, pieces: int = 1,
-                  kv_splits: int = 1) -> LoweringCache:
+                  kv_splits: int = 1, vocab_parallel: bool = False) -> LoweringCache:
         """A new cache of lowerings, variants and stage programs of this model, for compute copies in ``dtype``
         on ``device`` (None: the model's own), over ``buckets`` (None: the model's; powers of two from 64 when
         it has none). Variants bind to one set of parameters, so each trainer holds its own cache; they all
         share this model's captures. ``cost_tokens(scheme)``: the longest micro-batch a scheme runs (what the
         pipeline cut is balanced for). ``pieces``: each stage cut into this many pieces (overlapped movement).
-        ``kv_splits``: the head groups a CP rank's K/V exchange is pipelined over, at most (1: not pipelined)."""
+        ``kv_splits``: the head groups a CP rank's K/V exchange is pipelined over, at most (1: not pipelined).
+        ``vocab_parallel``: under tp > 1 the token embedding and the LM head split by vocabulary over the TP
+        group, the logits left split (``split_logits``; ``Lowering.vocab_range``, the loss assembled by
+        ``runtime.loss.vocab_parallel_loss_sum``)."""
         buckets = buckets or self.buckets or TokenBuckets.powers_of_two(64, 1 << 20)
         return LoweringCache(lambda tokens: self.captured(tokens, dtype, device).graph_module, buckets,
                              kernel=self.kernel, compile_backend=self.backend_for(device),
                              buffers=dict(self.model.named_buffers()), cost_tokens=cost_tokens,
-                             model_name=type(self.model).__name__, pieces=pieces, kv_splits=kv_splits)
+                             model_name=type(self.model).__name__, pieces=pieces, kv_splits=kv_splits,
+                             vocab_parallel=vocab_parallel, split_logits=vocab_parallel)
 
 
 

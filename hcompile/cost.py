@@ -165,7 +165,7 @@ def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
     lowering's parameter slices (``FixedLayout.slice_ranges``, what ``runtime.stage_params`` holds), for the
     planner's movement count (``passes.plan.movement``), with the windows the overlapped runtime cuts ``layout``
     into by default (``runtime.overlap.layout_windows``). Decides the lowerings it has not met yet."""
-    ranges = {}
+    ranges, pushes = {}, {}
     for scheme in sorted({compute_scheme(s) for s in schemes}):  # a CP rank computes as its TP rank
         for stage in range(scheme.pp):
             for tp_rank in range(scheme.tp):
@@ -173,5 +173,8 @@ def compute_layout(lowerings: LoweringCache, layout: FixedLayout,
                 lowering = lowerings.lowering(scheme, stage, tp_rank, group)
                 ranges[(scheme, stage, tp_rank)] = merged([r for sl in lowering.params
                                                            for r in layout.slice_ranges(sl)])
+                if tp_rank > 0:  # replicated slices: pushed by TP rank 0 alone (runtime.stage_params)
+                    pushes[(scheme, stage, tp_rank)] = merged([r for sl in lowering.params if sl.dim is not None
+                                                               for r in layout.slice_ranges(sl)])
     return ComputeLayout(numel=layout.numel, ranges=ranges, regions=tuple(layout.regions),
-                         windows=len(layout_windows(layout)))
+                         windows=len(layout_windows(layout)), pushes=pushes)

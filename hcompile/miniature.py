@@ -171,10 +171,10 @@ def miniature_check(compiled: "CompiledModel", tp_degrees: Iterable[int], like: 
                     dtype: torch.dtype | None, device: torch.device | None,
                     cost_tokens: Callable[["ParallelScheme"], int]) -> MiniatureCheck:
     """The miniature of ``compiled.model`` (:func:`build_miniature`), compiled with the same buckets, backend and
-    kernel, its lowerings made as ``like`` (the trainer's: buckets, pieces, kv splits) for compute copies in
-    ``dtype`` on ``device``, each scheme's longest micro-batch ``cost_tokens(scheme)``. Its smallest bucket is
-    captured here, so that a miniature the capture refuses is :class:`NotShrinkable` (the check is then skipped)
-    rather than a refusal of the model."""
+    kernel, its lowerings made as ``like`` (the trainer's: buckets, pieces, kv splits, vocabulary and sequence
+    parallelism) for compute copies in ``dtype`` on ``device``, each scheme's longest micro-batch
+    ``cost_tokens(scheme)``. Its smallest bucket is captured here, so that a miniature the capture refuses is
+    :class:`NotShrinkable` (the check is then skipped) rather than a refusal of the model."""
     from hcompile.api import CompiledModel
     from passes.graph.analyze import token_vocab
 
@@ -182,7 +182,8 @@ def miniature_check(compiled: "CompiledModel", tp_degrees: Iterable[int], like: 
     mini_compiled = CompiledModel(mini, buckets=compiled.buckets, compile_backend=compiled.compile_backend,
                                   kernel=compiled.kernel)
     lowerings = mini_compiled.lowerings(dtype, device, buckets=like.buckets, cost_tokens=cost_tokens,
-                                        pieces=like.pieces, kv_splits=like.kv_splits)
+                                        pieces=like.pieces, kv_splits=like.kv_splits,
+                                        vocab_parallel=like.vocab_parallel)
     try:
         analysed = lowerings.capture(like.buckets.sizes[0])
     except Exception as e:  # noqa: BLE001 - any failure means no miniature, reported in the skip warning

@@ -5,20 +5,26 @@ Owns :func:`prepare_strategy` (what the trainer calls for each strategy before w
 :func:`model_reference` (the model itself, eager, with given parameter values: the probe's reference). The
 probe and the comparison are :func:`passes.graph.lowering_check.check_lowering`; this module places it on the
 job (this rank's replica, stage and TP group), agrees on the verdict over all ranks, and words the refusal.
+A lowering whose logits stay split by vocabulary (``Lowering.vocab_range``) is checked with its logits gathered
+over the TP group (:func:`gather_vocab`, appended to the probe's program only): the check compares the whole
+logits and, through the gather's backward (this rank's columns), every parameter's gradient, as for any other
+lowering; the loss the runtime assembles from the split logits is ``runtime.loss.vocab_parallel_loss_sum``'s
+(tested against ``F.cross_entropy`` in ``tests/test_vocab_parallel_loss.py``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.func import functional_call
 
 from hcompile.capture import without_kv_cache
-from passes.graph.lowering import Lowering, LoweringCache, lower_graph
+from passes.graph.collectives import TP_ALL_GATHER
+from passes.graph.lowering import Lowered, Lowering, LoweringCache, lower_graph
 from passes.graph.lowering_check import LoweringError, Reference, check_lowering, probe_lengths
 from passes.plan.ir import StepPlan
 from runtime import distributed as comm
@@ -27,7 +33,7 @@ if TYPE_CHECKING:
     from runtime.distributed import GroupCache
 
 __all__ = ["check_strategy", "model_reference", "prepare_strategy", "probe_plan", "ProbePlan", "LoweringError",
-           "SELF_CHECK_MAX_TOKENS", "self_check_cost"]
+           "SELF_CHECK_MAX_TOKENS", "self_check_cost", "gather_vocab", "with_gathered_logits"]
 
 log = logging.getLogger("hcompile")
 
@@ -174,11 +180,19 @@ def _check(lowerings: LoweringCache, lowering: Lowering, group: str | None, voca
     """The decided lowering of (scheme, TP rank, CP rank), every stage of it, on a probe at its largest bucket
     (:func:`probe_plan`)."""
     scheme, tp_rank = lowering.scheme, lowering.tp_rank
-    lower: Callable = lambda gm: lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group,  # noqa: E731
-                                             attention_kernel=lowerings.kernel,
-                                             tensor_parallel=lowering.tensor_parallel, pipeline=lowering.pipeline,
-                                             cp_rank=lowering.cp_rank, cp_group=lowering.cp_group,
-                                             attention=lowering.attention_limits)
+    last = lowering if lowering.stage == scheme.pp - 1 else lowerings.lowering(scheme, scheme.pp - 1, tp_rank, group,
+                                                                                lowering.cp_rank, lowering.cp_group)
+    vocab_range = getattr(last, "vocab_range", None)  # the program's logits are the last stage's
+    if vocab_range is not None and group is None:
+        raise ValueError(f"{last.describe()}: logits split by vocabulary {vocab_range} need a TP group to gather over")
+
+    def lower(gm: fx.GraphModule) -> Lowered:
+        lowered = lower_graph(gm, scheme, tp_rank=tp_rank, tp_group=group, attention_kernel=lowerings.kernel,
+                              tensor_parallel=lowering.tensor_parallel, pipeline=lowering.pipeline,
+                              cp_rank=lowering.cp_rank, cp_group=lowering.cp_group,
+                              attention=lowering.attention_limits)
+        return lowered if vocab_range is None else with_gathered_logits(lowered, group, vocab_range, scheme.tp)
+
     probe = probe_plan(lowerings, lowering, max_tokens)
     if probe.skipped and tp_rank == 0 and lowering.cp_rank == 0:
         log.warning("lowering self-check of %s: the probe (%s tokens in buckets of %d) leaves out %s "
@@ -189,3 +203,37 @@ def _check(lowerings: LoweringCache, lowering: Lowering, group: str | None, voca
                           buffer=lambda n, v: lowerings.buffer(n) if v.device.type == "meta" else v,
                           vocab=vocab or 2, device=device, dtype=dtype, cp_rank=lowering.cp_rank,
                           cp_group=lowering.cp_group, lens=probe.lens)
+
+
+def gather_vocab(x: torch.Tensor, group: str, start: int, stop: int, tp: int) -> torch.Tensor:
+    """``x`` (..., stop - start), this rank's columns ``[start, stop)`` of logits split by vocabulary in ``tp``
+    equal blocks over the process group named ``group`` (as the vocab-parallel head splits them), assembled with
+    every other rank's into (..., vocab) by the graph's own ``tp_all_gather``, whose gradient is this rank's
+    columns of the incoming one. Collective over the group."""
+    width = stop - start
+    if x.shape[-1] != width or width < 1 or start % width:
+        raise ValueError(f"gathering vocabulary columns [{start}, {stop}) of {tp} equal blocks: the logits have "
+                         f"{x.shape[-1]} columns")
+    return TP_ALL_GATHER(x, group, x.dim() - 1, tp, start // width)
+
+
+def _gathered_first(out, group: str, start: int, stop: int, tp: int):  # noqa: ANN001, ANN202
+    """A program's outputs with the first (the logits, or the only output) gathered by :func:`gather_vocab`."""
+    if isinstance(out, (tuple, list)):
+        return type(out)([gather_vocab(out[0], group, start, stop, tp), *out[1:]])
+    return gather_vocab(out, group, start, stop, tp)
+
+
+def with_gathered_logits(lowered: Lowered, group: str, vocab_range: tuple[int, int], tp: int) -> Lowered:
+    """``lowered`` with its program's first output (the logits, split by vocabulary as ``vocab_range`` says)
+    replaced by the whole logits (:func:`gather_vocab` over ``group``), so that a check made for whole logits
+    can compare them; the graph is changed in place (the program is the probe's own copy) and returned."""
+    gm = lowered.graph_module
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        gathered = gm.graph.call_function(_gathered_first,
+                                          (output.args[0], group, int(vocab_range[0]), int(vocab_range[1]), tp))
+    output.args = (gathered,)
+    gm.graph.lint()
+    gm.recompile()
+    return lowered

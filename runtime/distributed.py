@@ -1,19 +1,23 @@
-"""All of this project's communication between ranks: the one module of the runtime (and of ``hcompile``) that
-calls ``torch.distributed`` (``tests/test_layering.py`` keeps every other module off it; the graph's own
-tensor-parallel collectives are ops in ``passes.graph.collectives``).
+"""All of this project's communication between ranks: the one module of the runtime (and of ``hcompile``) that calls
+``torch.distributed`` (``tests/test_layering.py`` keeps every other module off it; the graph's own tensor-parallel
+collectives are ops in ``passes.graph.collectives``).
 
-Owns the default process group (``cpu:gloo,cuda:nccl`` on GPUs: device tensors travel over NCCL, host metadata
-over gloo; gloo on CPU) with a timeout on every collective, destroyed at exit while the interpreter is still
-whole; the sub-groups a strategy needs (``GroupCache``: its tensor-parallel groups, created once, in the same
-order on every rank); and every collective and point-to-point call the runtime makes. Tensors are moved to
-where their group works (``group_device``) before a call, so no caller hands a host tensor to NCCL: metadata
-the callers build on the host (digests, counts, flags) is placed here. Objects (strings, plans) travel as
-pickles over the CPU side of the group. Point-to-point messages between two ranks are posted in the same order on
-both (NCCL runs one communicator's operations in issue order and a send completes only once its receive is
-posted): callers post each set of messages that belongs together as one batch (:func:`exchange`, :func:`post`).
-Warm-up compiles inside collectives, so it runs under its own, longer timeout (:func:`collective_timeout`); every
-group is made with the job's timeout and point-to-point works are waited within the timeout in force
-(:func:`wait`), so that after warm-up a rank stalled inside a step fails its peers after ``HCOMPILE_TIMEOUT_S``.
+Owns the default process group (``cpu:gloo,cuda:nccl`` on GPUs: device tensors travel over NCCL, host metadata over
+gloo; gloo on CPU) with a timeout on every collective, destroyed at exit while the interpreter is still whole; the
+sub-groups a strategy needs (``GroupCache``: its tensor-parallel groups, created once, in the same order on every
+rank); and every collective and point-to-point call the runtime makes. On GPUs the default group is made bound to
+the rank's device (``device_id``: NCCL's communicator is made at once, and every sub-group's is split from it with
+``ncclCommSplit``), and a sub-group is NCCL alone (:func:`subgroup_backend`): nothing sends a host tensor on a
+sub-group (objects travel on the default group, and every tensor call here moves its tensor to its group's device
+first), so a gloo side would only open a socket mesh per group. Tensors are moved to where their group works
+(``group_device``) before a call, so no caller hands a host tensor to NCCL: metadata the callers build on the host
+(digests, counts, flags) is placed here. Objects (strings, plans) travel as pickles over the CPU side of the default
+group. Point-to-point messages between two ranks are posted in the same order on both (NCCL runs one communicator's
+operations in issue order and a send completes only once its receive is posted): callers post each set of messages
+that belongs together as one batch (:func:`exchange`, :func:`post`). Warm-up compiles inside collectives, so it runs
+under its own, longer timeout (:func:`collective_timeout`); every group is made with the job's timeout and
+point-to-point works are waited within the timeout in force (:func:`wait`), so that after warm-up a rank stalled
+inside a step fails its peers after ``HCOMPILE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ __all__ = ["DistContext", "init_distributed", "GroupCache", "MAX_REMEMBERED_PLAC
            "recv", "isend", "irecv", "exchange", "post", "movement_group", "group_name", "world_group", "shutdown",
            "is_nccl", "uses_nccl", "cuda_device_for", "joined_context", "collective_timeout", "timeout_of",
            "DEFAULT_WARMUP_TIMEOUT_S", "warmup_timeout_s", "env_seconds", "job_from_env", "wait",
-           "p2p_timeout"]
+           "p2p_timeout", "subgroup_backend", "init_options"]
 
 ProcessGroup = dist.ProcessGroup
 """A process group (what ``GroupCache.get`` returns; None stands for a group of one rank)."""
@@ -65,6 +69,27 @@ class DistContext:
     """``nccl`` or ``gloo``."""
     device: torch.device
     """Where this rank computes."""
+
+
+def subgroup_backend(default_backend: str) -> str | None:
+    """The backend to make a sub-group with, given the default group's (``dist.get_backend()``): ``nccl`` when
+    that is a per-device list that runs device tensors on NCCL (``cpu:gloo,cuda:nccl``: the sub-group needs no
+    gloo side, module docstring); else None (the default group's, as before: gloo on the CPU, ``nccl`` when the
+    user made an NCCL-only group)."""
+    if "," in default_backend and is_nccl(default_backend):
+        return "nccl"
+    return None
+
+
+def init_options(dist_backend: str, device: torch.device) -> dict[str, Any]:
+    """Keyword arguments ``init_distributed`` adds to ``init_process_group``: under NCCL ``device_id`` (the
+    rank's device, with its index), which makes the default communicator at once and lets sub-groups split from
+    it (``ncclCommSplit``) instead of each making one through the store; nothing on gloo."""
+    if dist_backend != "nccl":
+        return {}
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"under NCCL a rank computes on a CUDA device with an index, got {device}")
+    return {"device_id": device}
 
 
 def init_distributed(init_method: str | None = None, rank: int | None = None, world_size: int | None = None,
@@ -94,10 +119,11 @@ def init_distributed(init_method: str | None = None, rank: int | None = None, wo
         backends = "cpu:gloo,cuda:nccl" if dist_backend == "nccl" else dist_backend
         if world_size == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
             # a plain `python train.py`: a world of one, its store in memory (no launcher, no rendezvous)
-            dist.init_process_group(backend=backends, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend=backends, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    **init_options(dist_backend, device))
         else:
             dist.init_process_group(backend=backends, init_method=init_method or "env://", rank=rank,
-                                    world_size=world_size, timeout=timeout)
+                                    world_size=world_size, timeout=timeout, **init_options(dist_backend, device))
             if dist_backend == "nccl":
                 _set_up(None)
     return DistContext(rank=rank, world_size=world_size, dist_backend=dist_backend, device=device)
@@ -498,7 +524,8 @@ def _new_group(ranks: list[int]) -> ProcessGroup:
     that :func:`collective_timeout` reaches it. Made with the job's, never the block's: gloo's point-to-point
     waits without a timeout of their own keep the one the group was made with, whatever is set later, so a group
     made during warm-up with warm-up's hour would hold a rank stalled inside a later step for an hour."""
-    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_job_timeout_s()))
+    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_job_timeout_s()),
+                           backend=subgroup_backend(str(dist.get_backend())))
     if rank() in ranks:  # elsewhere new_group gives a placeholder that no call may name
         _made.setdefault(id(dist.group.WORLD), []).append(group)
         if "now" in _timeouts:

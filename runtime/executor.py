@@ -27,7 +27,7 @@ from runtime import micro_batch
 from runtime.cpu_clock import RankCpuClock
 from runtime.distributed import DistContext, GroupCache
 from runtime.fixed_layout import FixedLayout
-from runtime.loss import global_pair_count
+from runtime.loss import global_pair_count, vocab_shard_of
 from runtime.measure import PhaseHook, StepMeter, StepState, StepStats
 from runtime.overlap import (
     DEFAULT_INFLIGHT_BYTES,
@@ -36,6 +36,7 @@ from runtime.overlap import (
     WindowedMovement,
     check_inflight_bytes,
     layout_windows,
+    movement_stream,
 )
 from runtime.pipeline import Pipeline
 from runtime.redistribute import DEFAULT_CHUNK_NUMEL, Redistribution
@@ -136,6 +137,10 @@ class Executor:
         self.inflight_bytes = check_inflight_bytes(inflight_bytes)
         self.windows = layout_windows(layout, windows) if overlap else []
         """The fixed layout's movement windows (overlapped movement only)."""
+        self.movement_stream = movement_stream(ctx.device) if overlap else None
+        """The stream every step's overlapped movement works on, made once for the executor's life
+        (``runtime.overlap.movement_stream``: high priority, never one of a communicator's; None on the CPU or
+        without overlapped movement)."""
         self._windowed: dict[Strategy, WindowedMovement] = {}
         self.groups = GroupCache()
         self.cpu_clock = RankCpuClock()
@@ -166,15 +171,18 @@ class Executor:
         return self.groups.get(replica.tp_group(stage, cp_rank))
 
     def stage_params(self, program: StageProgram, scheme: ParallelScheme, position: tuple,
-                     also: Sequence[StageProgram] = (), shared: bool = False) -> StageParams:
+                     also: Sequence[StageProgram] = (), shared: bool = False, tp_rank: int | None = None
+                     ) -> StageParams:
         """The compute copy of ``program``'s slices at ``position``, made once per position and bound to the
         programs it serves. ``also``: more programs that compute with the same slices (the groups of a regrouped
         step), bound to the same copy; ``shared``: a new program at a known position joins its copy too (a
-        regrouped rank's slot) instead of replacing it. A program whose slices differ is a ValueError."""
+        regrouped rank's slot) instead of replacing it. A program whose slices differ is a ValueError.
+        ``tp_rank``: this rank's place in its TP group (part of ``position``), so that only TP rank 0 pushes the
+        replicated parameters (``runtime.stage_params``); None: every TP rank pushes them at ``1/tp``."""
         held = self._params.get(position)
         if held is None or not (shared or any(p is program for p in held[2])):
             params = StageParams(self.layout, program.param_slices, scheme.tp, self.param_dtype, self.ctx.device,
-                                 grad_dtype=self.grad_dtype)
+                                 grad_dtype=self.grad_dtype, tp_rank=tp_rank)
             self._params[position] = held = (params, dict(program.param_slices), [])
         copy, slices, bound = held
         for other in (program, *also):
@@ -194,7 +202,8 @@ class Executor:
     def redistribution(self, strategy: Strategy, params: StageParams) -> Redistribution:
         """The movement plan of ``strategy`` (built collectively on its first step, then cached)."""
         if strategy not in self._moves:
-            self._moves[strategy] = Redistribution.build(self.layout, params.ranges, self.chunk_numel)
+            self._moves[strategy] = Redistribution.build(self.layout, params.ranges, self.chunk_numel,
+                                                         params.push_ranges)
         return self._moves[strategy]
 
     def run_step(self, plan: StepPlan, batch: Sequence[torch.Tensor],
@@ -220,7 +229,8 @@ class Executor:
                                                                                               first.cp_rank))
         if plan.regrouped:  # keyed by the slot, whatever the CP size of the group the rank meets first
             position = ("slot", scheme.tp, scheme.pp, first.stage, first.tp_rank, position[-1])
-        params = self.stage_params(programs[0], scheme, position, also=programs[1:], shared=plan.regrouped)
+        params = self.stage_params(programs[0], scheme, position, also=programs[1:], shared=plan.regrouped,
+                                   tp_rank=first.tp_rank)
         move = self.redistribution(plan.strategy, params)
         self._phase("pull", step)
         flight: MovementInFlight | None = None
@@ -229,7 +239,8 @@ class Executor:
                 flat = params.materialize()
                 params.zero_grads()
                 flight = self.windowed(plan.strategy, move).start(
-                    self.layout, flat, None if dry_run else params, self.reduce_dtype, self.inflight_bytes)
+                    self.layout, flat, None if dry_run else params, self.reduce_dtype, self.inflight_bytes,
+                    stream=self.movement_stream)
                 step.traffic = flight.traffic
             else:
                 step.traffic = move.pull(self.layout, params.materialize())
@@ -384,7 +395,7 @@ class Executor:
         for i, mb in enumerate(micro):
             with flow.forward(first=i == 0):
                 (logits,) = mb.run(program, ())
-            loss = mb.loss_sum(logits)
+            loss = mb.loss_sum(logits, vocab_shard_of(program))
             flow.backward(last=i == len(micro) - 1)
             (loss / pairs).backward()
             total += loss.detach()

@@ -30,7 +30,12 @@ from passes.graph.tensor_parallel import ParamSlice
 from passes.plan.movement import owned_ranges, region_shares
 from runtime import distributed as comm
 
-__all__ = ["ParamSpec", "FixedLayout", "Init", "fill_layout", "intersect"]
+__all__ = ["ParamSpec", "FixedLayout", "Init", "fill_layout", "intersect", "STREAM_CHUNK_NUMEL"]
+
+STREAM_CHUNK_NUMEL = 1 << 26
+"""Elements (256 MiB in fp32) that one batch of :meth:`FixedLayout.stream_from_rank0` or
+:meth:`FixedLayout.gather_to_rank0` moves at most: beyond the one parameter it holds whole, what rank 0 has in
+flight (under NCCL, on its device) at once."""
 
 Init = Callable[[str, torch.Tensor], None]
 """Fills the full fp32 tensor of one named parameter in place; must give every rank the same values."""
@@ -254,46 +259,77 @@ class FixedLayout:
             init(name, full)
             self._copy_own_part(spec, full)
 
-    def stream_from_rank0(self, state: Mapping[str, torch.Tensor] | None) -> None:
+    def stream_from_rank0(self, state: Mapping[str, torch.Tensor] | None,
+                          chunk_numel: int = STREAM_CHUNK_NUMEL) -> None:
         """Collective: rank 0 holds every parameter in ``state`` (other ranks pass None) and sends each
-        owner its part, one parameter at a time."""
+        owner its part, one parameter at a time, in batches of at most ``chunk_numel`` elements
+        (:meth:`rank0_batches`: batched point-to-point on the default group, never a lone send, which under NCCL
+        would make a communicator of its own for each pair of rank 0 and an owner); an owner receives straight
+        into its shard."""
         if self.rank == 0:
             self.fill_from(state or {})  # checks names and shapes before anything is sent
+        shard = self.shard.detach()
         for name, spec in self.specs.items():
-            for owner in range(1, self.world_size):
-                for lo, hi, pos in self.owned(owner):
-                    a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-                    if b <= a:
-                        continue
-                    if self.rank == 0:
-                        stored = spec.stored(state[name].detach().to(torch.float32)).view(-1)
-                        comm.send(stored[a - spec.offset:b - spec.offset].contiguous(), owner)
-                    elif self.rank == owner:
-                        buf = torch.empty(b - a, dtype=torch.float32, device=self.device)
-                        comm.recv(buf, 0)
-                        with torch.no_grad():
-                            self.shard[pos + a - lo:pos + b - lo].copy_(buf)
+            batches = self.rank0_batches(spec, chunk_numel)
+            if not batches:
+                continue
+            if self.rank == 0:
+                stored = spec.stored(state[name].detach().to(torch.float32)).view(-1)
+                for batch in batches:
+                    comm.exchange([(stored[at:at + n], owner) for owner, at, n, _ in batch], [])
+            else:
+                for batch in batches:
+                    mine = [(shard[pos:pos + n], 0) for owner, _, n, pos in batch if owner == self.rank]
+                    if mine:
+                        comm.exchange([], mine)
 
-    def gather_to_rank0(self, name: str) -> torch.Tensor | None:
+    def gather_to_rank0(self, name: str, chunk_numel: int = STREAM_CHUNK_NUMEL) -> torch.Tensor | None:
         """Collective: parameter ``name`` whole (fp32) on rank 0, from the parts its owners send; None on the
-        other ranks. The inverse of :meth:`stream_from_rank0`, one parameter at a time."""
+        other ranks. The inverse of :meth:`stream_from_rank0`, one parameter at a time, in the same batches
+        (received in place into the parameter's buffer on rank 0)."""
         spec = self._spec(name)
-        stored = torch.empty(spec.numel, dtype=torch.float32, device=self.device) if self.rank == 0 else None
-        for owner in range(self.world_size):
+        shard = self.shard.detach()
+        batches = self.rank0_batches(spec, chunk_numel)
+        if self.rank != 0:
+            for batch in batches:
+                mine = [(shard[pos:pos + n], 0) for owner, _, n, pos in batch if owner == self.rank]
+                if mine:
+                    comm.exchange(mine, [])
+            return None
+        stored = torch.empty(spec.numel, dtype=torch.float32, device=self.device)
+        own = self._own_part(spec)
+        if own is not None:
+            start, count, pos = own
+            stored[start:start + count].copy_(shard[pos:pos + count])
+        for batch in batches:
+            comm.exchange([], [(stored[at:at + n], owner) for owner, at, n, _ in batch])
+        return spec.unstore(stored, spec.shape).contiguous()
+
+    def rank0_batches(self, spec: ParamSpec, chunk_numel: int = STREAM_CHUNK_NUMEL
+                      ) -> list[list[tuple[int, int, int, int]]]:
+        """The messages between rank 0 and the other owners of ``spec`` (:meth:`stream_from_rank0`,
+        :meth:`gather_to_rank0`), each (owner, first element in the parameter's storage order, elements,
+        position in the owner's shard), cut to at most ``chunk_numel`` elements and grouped, owners ascending,
+        into consecutive batches of at most ``chunk_numel`` elements together: the same on every rank, so that
+        rank 0's batch i pairs with batch i of each owner in it (an owner posts only the batches it is in)."""
+        if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be a positive integer, got {chunk_numel!r}")
+        batches: list[list[tuple[int, int, int, int]]] = []
+        batch: list[tuple[int, int, int, int]] = []
+        held = 0
+        for owner in range(1, self.world_size):
             for lo, hi, pos in self.owned(owner):
                 a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-                if b <= a:
-                    continue
-                piece = self.shard.detach()[pos + a - lo:pos + b - lo] if self.rank == owner else None
-                if self.rank == 0:
-                    target = stored[a - spec.offset:b - spec.offset]
-                    if owner == 0:
-                        target.copy_(piece)
-                    else:
-                        comm.recv(target, owner)  # a contiguous slice of the buffer: received in place
-                elif self.rank == owner:
-                    comm.send(piece, 0)
-        return None if stored is None else spec.unstore(stored, spec.shape).contiguous()
+                for c in range(a, b, chunk_numel):
+                    n = min(chunk_numel, b - c)
+                    if batch and held + n > chunk_numel:
+                        batches.append(batch)
+                        batch, held = [], 0
+                    batch.append((owner, c - spec.offset, n, pos + c - lo))
+                    held += n
+        if batch:
+            batches.append(batch)
+        return batches
 
     def views(self, flat: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Each parameter, in its own shape, as a view of a full flat vector ``flat``."""

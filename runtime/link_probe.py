@@ -38,6 +38,7 @@ import torch
 
 from passes.plan.links import Links
 from runtime import distributed as comm
+from runtime.overlap import movement_stream
 
 __all__ = ["LinkProbe", "probe_links", "overlap_slowdown", "compute_slots", "DEFAULT_PROBE_BYTES",
            "PAIR_PROBES"]
@@ -175,8 +176,9 @@ def overlap_slowdown(transfers: Callable[[torch.Tensor, torch.Tensor], None], re
     send = torch.ones(SLOWDOWN_MESSAGE_BYTES // 4, device=device)
     recv = torch.empty_like(send)
 
+    stream = movement_stream(device)  # one for the whole probe, as the executor keeps one (runtime.overlap)
+
     def move(n: int) -> None:
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for _ in range(n):
                 transfers(send, recv)

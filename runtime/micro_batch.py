@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from passes.graph.context_parallel import CpShare
-from runtime.loss import IGNORE, packed_causal_lm_loss_sum, targets_loss_sum
+from runtime.loss import IGNORE, VocabShard, packed_causal_lm_loss_sum, targets_loss_sum
 
 __all__ = ["MicroBatch", "packed", "context_parallel", "to_device"]
 
@@ -48,11 +48,13 @@ class MicroBatch:
             return program(self.ids, self.cu_seqlens, self.max_seqlen, boundary)
         return program(self.ids, self.cu_seqlens, self.max_seqlen, boundary, cp_inputs=self.cp_inputs)
 
-    def loss_sum(self, logits: torch.Tensor) -> torch.Tensor:
-        """Summed next-token cross-entropy of this micro-batch's tokens (on the device)."""
+    def loss_sum(self, logits: torch.Tensor, shard: VocabShard | None = None) -> torch.Tensor:
+        """Summed next-token cross-entropy of this micro-batch's tokens (on the device). ``shard``: the logits
+        hold only this TP rank's vocabulary columns (``runtime.loss.vocab_shard_of`` the stage program; the loss
+        is then assembled over the TP group, the same on each of its ranks); None: the whole vocabulary."""
         if self.targets is None:
-            return packed_causal_lm_loss_sum(logits, self.ids, self.cu_seqlens)
-        return targets_loss_sum(logits, self.targets)
+            return packed_causal_lm_loss_sum(logits, self.ids, self.cu_seqlens, shard)
+        return targets_loss_sum(logits, self.targets, shard)
 
 
 def packed(batch: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device) -> MicroBatch:

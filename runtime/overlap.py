@@ -30,10 +30,12 @@ waited; bounding it by waiting for the oldest window inside the compute deadlock
 posts only once it has the activation; ``tests/test_runtime_executor.py`` runs that case with the bound at 0,
 one unit at a time.) :func:`overlap_buffer_bytes` is what the memory model charges for the buffers.
 
-On GPUs the thread works on a stream of its own: it starts after the compute stream's work so far (the
-optimiser's update of the shard), a push send after the event the backward recorded when its window was
-complete, and it synchronises its stream when it completes a message, so the buffers it frees are free and a
-pull window it reports is in place.
+On GPUs the thread works on the movement stream (:func:`movement_stream`: one per executor, made once, from the
+high-priority pool that ProcessGroupNCCL's internal streams do not come from, so it never aliases a
+communicator's stream and the buffers the allocator caches on it are reused step after step): it starts after
+the compute stream's work so far (the optimiser's update of the shard), a push send after the event the backward
+recorded when its window was complete, and it synchronises its stream when it completes a message, so the
+buffers it frees are free and a pull window it reports is in place.
 """
 
 from __future__ import annotations
@@ -50,12 +52,21 @@ import torch
 from passes.plan.movement import OVERLAP_WINDOWS, window_cuts
 from runtime import distributed as comm
 from runtime.fixed_layout import FixedLayout
-from runtime.redistribute import Ranges, Redistribution, Traffic, gather_ranges, intersect, pieces, total
+from runtime.redistribute import (
+    Ranges,
+    Redistribution,
+    Traffic,
+    gather_ranges,
+    intersect,
+    pieces,
+    total,
+    zip_spans,
+)
 from runtime.stage_params import StageParams
 
 __all__ = ["layout_windows", "WindowedMovement", "Message", "Unit", "MovementInFlight", "MovementError",
            "DEFAULT_WINDOWS", "DEFAULT_INFLIGHT_BYTES", "THREAD_START_TIMEOUT_S", "overlap_buffer_bytes",
-           "largest_unit_numel", "check_inflight_bytes"]
+           "largest_unit_numel", "check_inflight_bytes", "movement_stream", "MOVEMENT_STREAM_PRIORITY"]
 
 DEFAULT_WINDOWS = OVERLAP_WINDOWS
 """Windows the fixed layout is cut into for overlapped movement (more where they would exceed the planner's
@@ -65,6 +76,27 @@ DEFAULT_INFLIGHT_BYTES = 1 << 28
 THREAD_START_TIMEOUT_S = 60.0
 """The longest a rank waits for its progress thread to run once started (at most half the movement group's
 timeout): a thread starts in microseconds, and one that has not run by then died starting (out of memory)."""
+
+
+MOVEMENT_STREAM_PRIORITY = -1
+"""Priority of the movement stream: the high-priority pool (``torch.cuda.Stream(priority=-1)``), which
+ProcessGroupNCCL takes its internal streams from only under ``TORCH_NCCL_HIGH_PRIORITY``; a plain
+``torch.cuda.Stream()`` hands out the low-priority pool's 32 streams round-robin, the pool NCCL's streams come
+from, so a stream made per step would sooner or later be a communicator's own."""
+
+
+def movement_stream(device: torch.device | str,
+                    factory: Callable[..., "torch.cuda.Stream"] | None = None) -> "torch.cuda.Stream | None":
+    """The stream a rank's movement works on, made once and kept by its owner (the executor) for every step:
+    None on a device without streams (the CPU); on a CUDA device ``factory(device, priority=-1)``
+    (``torch.cuda.Stream`` unless given, :data:`MOVEMENT_STREAM_PRIORITY`). Any other device type is a
+    ValueError naming it."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"movement runs on a CUDA device or the CPU, got {device}")
+    return (factory or torch.cuda.Stream)(device, priority=MOVEMENT_STREAM_PRIORITY)
 
 
 def check_inflight_bytes(value: object, name: str = "inflight_bytes") -> int:
@@ -108,12 +140,13 @@ class Message:
     window: int
     """The layout window it belongs to."""
     at: int
-    """Pull send, push receive: its first element in the concatenation of ``ranges``; pull receive, push send:
+    """Pull send, push send and receive: its first element in the concatenation of ``ranges``; pull receive:
     its first position in this rank's buffer."""
     count: int
     """Elements."""
     ranges: Ranges | None = None
-    """Pull send, push receive: the ranges of this rank's shard (shard coordinates) it covers part of."""
+    """Pull send, push receive: the ranges of this rank's shard (shard coordinates) it covers part of; push
+    send: the ranges of this rank's buffer (its gradient buffer) it covers part of."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -158,6 +191,12 @@ class WindowedMovement:
         """Per window: (owner, start, count) of the segment of this rank's buffer each owner fills."""
         self.serves: list[list[tuple[int, Ranges]]] = []
         """Per window: (rank, ranges of this rank's shard in shard coordinates) that rank computes with."""
+        self.push_fills: list[list[tuple[int, Ranges]]] = []
+        """Per window: (owner, ranges of this rank's buffer) that this rank pushes to each owner (``fills`` less
+        what it does not push: ``Redistribution.pushes``)."""
+        self.push_serves: list[list[tuple[int, Ranges]]] = []
+        """Per window: (rank, ranges of this rank's shard) whose gradients that rank pushes (``serves`` less what
+        it does not push)."""
         for lo, hi in windows:
             self.spans.append((position(lo), position(hi)))
             fills = []
@@ -175,6 +214,11 @@ class WindowedMovement:
                          for a, b in intersect([(flo, fhi)], lo, hi)]
             self.serves.append([(j, r) for j, need in enumerate(move.serves) for sa, sb in mine_here
                                 for r in [intersect(need, sa, sb)] if r])
+            self.push_fills.append([(owner, buf) for owner in range(self.world_size)
+                                    for a, b in intersect(layout.owner_ranges(owner), lo, hi)
+                                    for buf in [move.buffer_ranges(intersect(move.pushes, a, b))] if buf])
+            self.push_serves.append([(j, r) for j, push in enumerate(move.push_serves) for sa, sb in mine_here
+                                     for r in [intersect(push, sa, sb)] if r])
         self.pull: list[Message] = []
         """This rank's messages of a step's pull."""
         self.push: list[Message] = []
@@ -184,12 +228,18 @@ class WindowedMovement:
                 if j != self.rank:
                     for c, n in self.chunks(total(ranges)):
                         self.pull.append(Message((0, g, self.rank, j, c), "pull", True, j, g, c, n, ranges))
-                        self.push.append(Message((1, -g, j, self.rank, c), "push", False, j, g, c, n, ranges))
             for owner, start, count in self.fills[g]:
                 if owner != self.rank:
                     for c, n in self.chunks(count):
                         self.pull.append(Message((0, g, owner, self.rank, c), "pull", False, owner, g, start + c, n))
-                        self.push.append(Message((1, -g, self.rank, owner, c), "push", True, owner, g, start + c, n))
+            for j, ranges in self.push_serves[g]:
+                if j != self.rank:
+                    for c, n in self.chunks(total(ranges)):
+                        self.push.append(Message((1, -g, j, self.rank, c), "push", False, j, g, c, n, ranges))
+            for owner, buf in self.push_fills[g]:
+                if owner != self.rank:
+                    for c, n in self.chunks(total(buf)):
+                        self.push.append(Message((1, -g, self.rank, owner, c), "push", True, owner, g, c, n, buf))
         self.units: list[Unit] = []
         """This rank's units in posting order (module docstring): the pull's windows ascending, then the push's
         descending; in a window, the peers ascending."""
@@ -205,13 +255,19 @@ class WindowedMovement:
 
     def own_pieces(self, g: int) -> list[tuple[int, int, int]]:
         """(position in this rank's buffer, offset in its shard, length) of what window ``g`` of its buffer holds
-        from its own shard (no message: copied in the pull, added in the push)."""
+        from its own shard (no message: copied in the pull; the push adds :meth:`own_push_pieces`)."""
         out = []
         for owner, start, count in self.fills[g]:
             if owner == self.rank:
                 local = next(r for j, r in self.serves[g] if j == self.rank)
                 out += [(start + pos, off, n) for pos, off, n in pieces(local, 0, count)]
         return out
+
+    def own_push_pieces(self, g: int) -> list[tuple[int, int, int]]:
+        """(position in this rank's buffer, offset in its shard, length) of the gradients this rank pushes in
+        window ``g`` that its own shard holds (no message: added in the push)."""
+        local = next((r for j, r in self.push_serves[g] if j == self.rank), [])
+        return [piece for owner, buf in self.push_fills[g] if owner == self.rank for piece in zip_spans(buf, local)]
 
     def windows_of(self, params: StageParams) -> dict[str, int]:
         """The window of each of ``params``' parameters (by name)."""
@@ -230,11 +286,14 @@ class WindowedMovement:
 
     def start(self, layout: FixedLayout, flat: torch.Tensor, params: StageParams | None = None,
               reduce_dtype: torch.dtype = torch.float32,
-              inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> "MovementInFlight":
+              inflight_bytes: int = DEFAULT_INFLIGHT_BYTES, stream: "torch.cuda.Stream | None" = None
+              ) -> "MovementInFlight":
         """Start a step's movement: the pull into ``flat`` (this rank's buffer) and, with ``params`` (their
         gradient buffer zeroed for the step), the push of its gradients as :meth:`MovementInFlight.accumulated`
-        reports them complete."""
-        return MovementInFlight(self, layout, flat, params, reduce_dtype, inflight_bytes)
+        reports them complete. ``stream``: the movement stream (:func:`movement_stream`, kept by the caller
+        for every step); on a GPU without one, one is made for this step alone (which is what the caller should
+        not do every step: module docstring)."""
+        return MovementInFlight(self, layout, flat, params, reduce_dtype, inflight_bytes, stream)
 
 
 class MovementError(RuntimeError):
@@ -292,7 +351,7 @@ class MovementInFlight:
     backward completes them (:meth:`accumulated`), summed into the shard's gradient by :meth:`finish`."""
 
     def __init__(self, plan: WindowedMovement, layout: FixedLayout, flat: torch.Tensor, params: StageParams | None,
-                 reduce_dtype: torch.dtype, inflight_bytes: int):
+                 reduce_dtype: torch.dtype, inflight_bytes: int, stream: "torch.cuda.Stream | None" = None):
         if flat.numel() != plan.move.numel:
             raise ValueError(f"the buffer has {flat.numel()} elements, this rank computes with {plan.move.numel}")
         check_inflight_bytes(inflight_bytes)
@@ -317,7 +376,8 @@ class MovementInFlight:
         grads_cast = params is not None and params.grad_dtype != reduce_dtype
         self._unit_bytes = [sum(0 if not m.send or self._is_view(m.ranges, m.at, m.count) else m.count * size
                                 for m in u.messages) if u.phase == "pull" else
-                            sum(m.count * reduce_size if grads_cast or not m.send else 0 for m in u.messages)
+                            sum(m.count * reduce_size if grads_cast or not m.send
+                                or len(list(pieces(m.ranges, m.at, m.count))) > 1 else 0 for m in u.messages)
                             for u in self._units]
         if params is not None:
             self._push_traffic = Traffic(grads_sent=sum(m.count for m in plan.push if m.send) * reduce_size,
@@ -338,7 +398,8 @@ class MovementInFlight:
         self._failed_at: list[Unit] = []
         self._stopping = False
         self._all_done = False
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stream = (stream if stream is not None else movement_stream(self.device)) if self.cuda else None
+        """The movement stream (the caller's, kept across steps; else one for this step)."""
         self._start_event = torch.cuda.Event() if self.cuda else None
         if self._start_event is not None:
             self._start_event.record()  # the shard as the compute stream leaves it (the last update)
@@ -413,7 +474,7 @@ class MovementInFlight:
         for g in range(len(plan.windows)):
             if not self._weighed[g]:
                 self.params.weigh_grads(*plan.spans[g])
-            for at, off, n in plan.own_pieces(g):
+            for at, off, n in plan.own_push_pieces(g):
                 self.shard_grad[off:off + n].add_(grads[at:at + n])
         layout.shard.grad, self.shard_grad = self.shard_grad, None
         return self._push_traffic
@@ -532,7 +593,8 @@ class MovementInFlight:
                 elif m.phase == "pull":
                     recvs.append((self.flat[m.at:m.at + m.count], m.peer))
                 elif m.send:
-                    sends.append((self.params.grad_flat[m.at:m.at + m.count].to(self.reduce_dtype), m.peer))
+                    sends.append((gather_ranges(self.params.grad_flat, m.ranges, m.at, m.count, self.reduce_dtype),
+                                  m.peer))
                 else:
                     buf = torch.empty(m.count, dtype=self.reduce_dtype, device=self.device)
                     recvs.append((buf, m.peer))

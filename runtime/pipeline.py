@@ -25,6 +25,7 @@ import torch
 
 from passes.plan.ir import Place, ReplicaPlan
 from runtime import distributed as comm
+from runtime.loss import vocab_shard_of
 
 __all__ = ["Message", "one_f_one_b", "gap_messages", "Pipeline"]
 
@@ -162,7 +163,7 @@ class Pipeline:
         outs = mb.run(program, tuple(received))
         if self.next is not None:
             return outs, received, torch.zeros((), dtype=torch.float64, device=self.device)
-        loss = mb.loss_sum(outs[0])
+        loss = mb.loss_sum(outs[0], vocab_shard_of(program))
         return (loss / pairs,), received, loss.detach()
 
     def _backward(self, outs: tuple[torch.Tensor, ...], inputs: list, grads: list[torch.Tensor]) -> None:

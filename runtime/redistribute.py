@@ -8,8 +8,10 @@ and then moves only those slices:
 - ``pull``: every owner sends each rank the part of its shard that rank needs, cast to the compute dtype;
   a rank receives straight into its :class:`~runtime.stage_params.StageParams` buffer (which holds its
   ranges in flat order, so what comes from owner k is one contiguous segment of it per region);
-- ``push``: every rank sends each owner the segments of its gradient buffer that fall in that owner's
-  ranges, in the reduction dtype; owners add what they receive into their shard's fp32 gradient.
+- ``push``: every rank sends each owner the parts of its gradient buffer that fall in that owner's
+  ranges and that it pushes (its push ranges: all it computes with, less what another rank of its TP group
+  pushes for it, ``StageParams.push_ranges``), in the reduction dtype; owners add what they receive into their
+  shard's fp32 gradient.
 
 Transfers go in rounds of pairs (round d: send to rank + d, receive from rank - d), a pair's transfer region
 by region (one segment of the receiver's buffer each), in chunks of at most ``chunk_numel`` elements, so the
@@ -85,10 +87,21 @@ def zip_spans(first: Ranges, second: Ranges) -> Iterator[tuple[int, int, int]]:
 class Redistribution:
     """The movement plan of one strategy on this rank."""
 
-    def __init__(self, layout: FixedLayout, needs: list[Ranges], chunk_numel: int = DEFAULT_CHUNK_NUMEL):
-        """``needs[r]``: the sorted flat ranges rank r computes with (every rank's, in rank order)."""
+    def __init__(self, layout: FixedLayout, needs: list[Ranges], chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+                 pushes: list[Ranges] | None = None):
+        """``needs[r]``: the sorted flat ranges rank r computes with (every rank's, in rank order);
+        ``pushes[r]``: the sorted flat ranges whose gradients rank r pushes, each inside ``needs[r]`` (None: all
+        of ``needs[r]``)."""
         if len(needs) != layout.world_size:
             raise ValueError(f"need the ranges of all {layout.world_size} ranks, got {len(needs)}")
+        if pushes is None:
+            pushes = needs
+        if len(pushes) != layout.world_size:
+            raise ValueError(f"need the push ranges of all {layout.world_size} ranks, got {len(pushes)}")
+        for r, (need, push) in enumerate(zip(needs, pushes)):
+            if total(push) != sum(total(intersect(need, a, b)) for a, b in push):
+                raise ValueError(f"rank {r} pushes ranges {list(push)[:4]} outside those it computes with "
+                                 f"{list(need)[:4]}")
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel!r}")
         self.rank, self.world_size, self.chunk = layout.rank, layout.world_size, chunk_numel
@@ -114,12 +127,42 @@ class Redistribution:
             for ranges in self.serves]
         """Per rank j: ``serves[j]`` cut by region (the non-empty parts, in order): what j's ``segments`` of this
         rank are. A pair's transfer goes part by part, so no message spans two segments of a buffer."""
+        self.pushes: Ranges = [tuple(r) for r in pushes[self.rank]]
+        """The flat ranges whose gradients this rank pushes (inside :attr:`ranges`)."""
+        self.push_serves: list[Ranges] = [layout.in_shard(push, self.rank) for push in pushes]
+        """Per rank j: the ranges of this rank's shard (shard coordinates) whose gradients j pushes, in order."""
+        self.push_segments: list[list[Ranges]] = [
+            [buf for lo, hi in layout.owner_ranges(k) for buf in [self.buffer_ranges(intersect(self.pushes, lo, hi))]
+             if buf] for k in range(self.world_size)]
+        """Per owner k, per region (the non-empty parts, in order): the ranges of this rank's buffer it pushes to
+        k (:attr:`segments` less what it does not push)."""
+        self.push_serve_parts: list[list[Ranges]] = [
+            [part for lo, hi, pos in own for part in [intersect(ranges, pos, pos + hi - lo)] if part]
+            for ranges in self.push_serves]
+        """Per rank j: ``push_serves[j]`` cut by region: what j's ``push_segments`` of this rank are."""
 
     @classmethod
-    def build(cls, layout: FixedLayout, mine: Ranges, chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> "Redistribution":
-        """Collective: every rank passes the flat ranges it computes with."""
-        needs = comm.all_gather_object([tuple(r) for r in mine])
-        return cls(layout, [list(map(tuple, n)) for n in needs], chunk_numel)
+    def build(cls, layout: FixedLayout, mine: Ranges, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+              pushes: Ranges | None = None) -> "Redistribution":
+        """Collective: every rank passes the flat ranges it computes with and those it pushes (None: the same)."""
+        both = comm.all_gather_object(([tuple(r) for r in mine],
+                                       None if pushes is None else [tuple(r) for r in pushes]))
+        needs = [list(map(tuple, n)) for n, _ in both]
+        return cls(layout, needs, chunk_numel,
+                   [n if p is None else list(map(tuple, p)) for n, (_, p) in zip(needs, both)])
+
+    def buffer_ranges(self, flat: Ranges) -> Ranges:
+        """The positions in this rank's buffer of sorted flat ranges inside :attr:`ranges` (one range each)."""
+        out: Ranges = []
+        for a, b in flat:
+            start = total(intersect(self.ranges, 0, a))
+            out.append((start, start + b - a))
+        return out
+
+    @property
+    def pushed_numel(self) -> int:
+        """Elements of this rank's buffer that it pushes (to other owners and into its own shard)."""
+        return total(self.pushes)
 
     @property
     def local_numel(self) -> int:
@@ -175,42 +218,47 @@ class Redistribution:
                 yield part, c, max(0, min(self.chunk, n_send - c)), (start, max(0, min(self.chunk, end - start - c)))
 
     def push(self, layout: FixedLayout, grads: torch.Tensor, reduce_dtype: torch.dtype = torch.float32) -> Traffic:
-        """Sum every rank's gradient buffer (``grads``, in this rank's buffer order) into the owners' shards:
-        afterwards ``layout.shard.grad`` (fp32) holds this rank's shard of the step's summed gradient."""
+        """Sum every rank's gradient buffer (``grads``, in this rank's buffer order; the parts each pushes,
+        :attr:`pushes`) into the owners' shards: afterwards ``layout.shard.grad`` (fp32) holds this rank's shard of
+        the step's summed gradient."""
         if grads.numel() != self.numel:
             raise ValueError(f"the gradient buffer has {grads.numel()} elements, this rank computes with {self.numel}")
         shard_grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=layout.shard.device)
-        for at, off, n in zip_spans(self.segments[self.rank], self.serves[self.rank]):
+        own = [r for part in self.push_segments[self.rank] for r in part]
+        for at, off, n in zip_spans(own, [r for part in self.push_serve_parts[self.rank] for r in part]):
             shard_grad[off:off + n].add_(grads[at:at + n])
         size = torch.empty((), dtype=reduce_dtype).element_size()
         sent = received = 0
-        # one receive buffer and (when the buffer's dtype is not the reduction's) one cast buffer for every
-        # message: each exchange completes before the next is posted
-        inbox = torch.empty(self._largest_message([[total(part) for part in parts] for parts in self.serve_parts]),
+        # one receive buffer and (when a message is cast, or gathered from several parts of the buffer) one
+        # staging buffer for every message: each exchange completes before the next is posted
+        inbox = torch.empty(self._largest_message([[total(part) for part in parts]
+                                                   for parts in self.push_serve_parts]),
                             dtype=reduce_dtype, device=grads.device)
-        cast = None if grads.dtype == reduce_dtype else torch.empty(
-            self._largest_message([[b - a for a, b in spans] for spans in self.segments]), dtype=reduce_dtype,
-            device=grads.device)
+        cast = grads.dtype != reduce_dtype
+        staged = self._largest_message([[total(part) for part in parts if len(part) > 1 or cast]
+                                        for parts in self.push_segments])
+        staging = torch.empty(staged, dtype=reduce_dtype, device=grads.device) if staged else None
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            # the pull's messages reversed: segments of this rank's buffer go out, parts of its shard come in
-            for part, c, (start, n_send), n_recv in ((p, c, r, s) for p, c, s, r in
-                                                     self._messages(self.serve_parts[frm], self.segments[to])):
-                sends, recvs = [], []
-                if n_send:
-                    piece = grads[start + c:start + c + n_send]
-                    sends.append((piece if cast is None else cast[:n_send].copy_(piece), to))
-                    sent += n_send * size
-                if n_recv:
-                    recvs.append((inbox[:n_recv], frm))
-                    received += n_recv * size
-                comm.exchange(sends, recvs)
-                if n_recv:
-                    for pos, off, n in pieces(self.serve_parts[frm][part], c, n_recv):
-                        shard_grad[off:off + n].add_(inbox[pos - c:pos - c + n])
+            out_parts, in_parts = self.push_segments[to], self.push_serve_parts[frm]
+            for part in range(max(len(out_parts), len(in_parts))):
+                n_out = total(out_parts[part]) if part < len(out_parts) else 0
+                n_in = total(in_parts[part]) if part < len(in_parts) else 0
+                for c in range(0, max(n_out, n_in), self.chunk):
+                    n_send, n_recv = max(0, min(self.chunk, n_out - c)), max(0, min(self.chunk, n_in - c))
+                    sends, recvs = [], []
+                    if n_send:
+                        sends.append((gather_ranges(grads, out_parts[part], c, n_send, reduce_dtype, staging), to))
+                        sent += n_send * size
+                    if n_recv:
+                        recvs.append((inbox[:n_recv], frm))
+                        received += n_recv * size
+                    comm.exchange(sends, recvs)
+                    if n_recv:
+                        for pos, off, n in pieces(in_parts[part], c, n_recv):
+                            shard_grad[off:off + n].add_(inbox[pos - c:pos - c + n])
         layout.shard.grad = shard_grad
         return Traffic(grads_sent=sent, grads_received=received)
-
 
 
 def gather_ranges(shard: torch.Tensor, ranges: Ranges, start: int, count: int, dtype: torch.dtype,

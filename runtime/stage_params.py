@@ -10,6 +10,15 @@ the buffer and autograd adds into it; otherwise each micro-batch's gradient (com
 buffer by a hook as autograd finishes it, and dropped. Storage exists only during a step:
 :meth:`StageParams.materialize` before it, :meth:`release` after it, so a rank never keeps the slices of a
 strategy it is not running.
+
+Also owns which of the slices this rank pushes (:attr:`StageParams.push_ranges`) and at what factor
+(:attr:`StageParams.weights`). A replicated parameter (a slice with ``dim`` None: embeddings, norms, an unsplit
+head) has the same gradient on every rank of a TP group after the backward, so with the rank's place in its
+TP group known (``tp_rank``) only TP rank 0 pushes it, whole (factor 1), and the other TP ranks push none of it:
+one copy per TP group travels instead of ``tp`` copies at ``1/tp``. Partial gradients of one parameter on
+different pipeline stages (tied embeddings), replicas or context-parallel ranks are each pushed by their own
+group's TP rank 0 and add up at the owner. Without ``tp_rank`` every rank pushes every slice at the factors of
+``ParamSlice.weight_regions``.
 """
 
 from __future__ import annotations
@@ -32,9 +41,15 @@ class StageParams:
 
     def __init__(self, layout: FixedLayout, slices: Mapping[str, ParamSlice], tp: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, tp_rank: int | None = None):
         """``dtype``: the compute copy's; ``grad_dtype``: the gradient buffer's, what micro-batches accumulate in
-        (None: ``dtype``)."""
+        (None: ``dtype``). ``tp_rank``: this rank's place in its TP group, so that replicated slices are pushed
+        by TP rank 0 alone (module docstring); None: by every rank at ``1/tp``."""
+        if tp_rank is not None and (isinstance(tp_rank, bool) or not isinstance(tp_rank, int)
+                                    or not 0 <= tp_rank < tp):
+            raise ValueError(f"tp_rank must be an integer in [0, {tp}) (a place in a TP group of {tp}), got "
+                             f"{tp_rank!r}")
+        self.tp, self.tp_rank = tp, tp_rank
         self.dtype, self.device = dtype, torch.device(device)
         self.grad_dtype = dtype if grad_dtype is None else grad_dtype
         """dtype of the flat gradient buffer (what every micro-batch's gradient is added into)."""
@@ -48,17 +63,29 @@ class StageParams:
         self.weights: list[tuple[int, int, float]] = []
         """(start, count, factor) of the gradient regions that count with a factor other than 1."""
         ranges: list[tuple[int, int]] = []
+        pushed: list[tuple[int, int]] = []
+        once = tp_rank is not None and tp > 1  # replicated slices: pushed by TP rank 0 alone, whole
         start = 0
         for slc in ordered:
             numel = math.prod(slc.local_shape)
             self._views.append((slc.name, start, slc))
-            self.weights += [(start + first, count, w) for first, count, w in slc.weight_regions(tp) if w != 1.0]
-            ranges.extend(layout.slice_ranges(slc))
+            held = layout.slice_ranges(slc)
+            ranges.extend(held)
+            if once and slc.dim is None:
+                if tp_rank == 0:
+                    pushed.extend(held)
+            else:
+                pushed.extend(held)
+                self.weights += [(start + first, count, w) for first, count, w in slc.weight_regions(tp)
+                                 if w != 1.0]
             start += numel
         self.numel = start
         """Elements of all the slices."""
         self.ranges = list(merged(ranges))
         """The flat ranges of the layout the buffer holds, in order (touching ranges joined)."""
+        self.push_ranges = list(merged(pushed))
+        """The flat ranges whose gradients this rank pushes to their owners (a subset of :attr:`ranges`, touching
+        ranges joined): all of them, less the replicated slices on a TP rank other than 0 (module docstring)."""
         self._layout = layout
         self.params: dict[str, nn.Parameter] = {
             name: nn.Parameter(torch.empty(0, dtype=dtype, device=self.device)) for name, _, _ in self._views}

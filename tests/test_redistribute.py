@@ -105,3 +105,86 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="chunk_numel must be positive"):
         Redistribution(layout, [[(0, 3)], [(3, 4)]], chunk_numel=0)
     assert Traffic(params_sent=1) + Traffic(grads_sent=2) == Traffic(params_sent=1, grads_sent=2)
+
+
+def _random_pushes(seed: int, needs: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """Per rank, a random part of its ranges (holes cut out, some ranges dropped): what it pushes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for need in needs:
+        keep = []
+        for a, b in need:
+            cuts = sorted({a, b, *torch.randint(a, b + 1, (3,), generator=g).tolist()})
+            keep += [(x, y) for x, y in zip(cuts, cuts[1:]) if y > x and torch.rand(1, generator=g) < 0.6]
+        out.append(list(merged(keep)))
+    return out
+
+
+def _move_pushes(rank, world, needs, pushes, chunk, grad_dtype, windowed):
+    """Push along ``pushes`` (a part of ``needs``) by rounds or window by window (``runtime.overlap``)."""
+    from runtime.overlap import WindowedMovement, layout_windows
+
+    layout = _layout(rank, world, 2)
+    move = Redistribution.build(layout, needs[rank], chunk_numel=chunk, pushes=pushes[rank])
+    buf = torch.full((move.numel,), -1.0)
+    move.pull(layout, buf)
+    grads = (buf * (rank + 1)).to(grad_dtype)
+    if not windowed:
+        traffic = move.push(layout, grads, reduce_dtype=torch.float32)
+        return layout.shard.grad.clone(), traffic, move.pushed_numel
+
+    class _Params:  # what the windowed push reads of a compute copy: its gradient buffer, unweighted
+        grad_dtype = grads.dtype
+        grad_flat = grads
+
+        def starts(self):
+            return iter([("all", 0, move.numel)])
+
+        def weigh_grads(self, lo, hi):
+            pass
+
+    plan = WindowedMovement(move, layout, layout_windows(layout, 3), chunk)
+    flight = plan.start(layout, torch.empty(move.numel), _Params(), torch.float32, inflight_bytes=64)
+    flight.wait_all()
+    traffic = flight.finish(layout)
+    return layout.shard.grad.clone(), traffic, move.pushed_numel
+
+
+@pytest.mark.parametrize(("world", "chunk", "grad_dtype", "windowed"), [
+    (4, 5, torch.float32, False), (4, 1000, torch.bfloat16, False), (2, 7, torch.float32, False),
+    (4, 5, torch.float32, True), (4, 6, torch.bfloat16, True)])
+def test_owners_receive_the_sum_of_what_each_rank_pushes(tmp_path, world, chunk, grad_dtype, windowed):
+    """A rank that pushes part of what it computes with (``Redistribution(pushes=...)``, replicated parameters on a
+    TP rank other than 0): owners sum exactly the pushed parts, by rounds and window by window, fp32 or cast from
+    bf16, gathered from holes in the buffer; the bytes are the pushed parts' (nothing to itself)."""
+    needs = _random_needs(world * 7 + chunk, world)
+    pushes = _random_pushes(chunk, needs)
+    results = run_ranks(world, tmp_path, _move_pushes, needs, pushes, chunk, grad_dtype, windowed)
+    flat = torch.arange(NUMEL, dtype=torch.float32) * 0.5
+    expected = torch.zeros(NUMEL)
+    for rank, push in enumerate(pushes):
+        for a, b in push:
+            expected[a:b] += (flat[a:b] * (rank + 1)).to(grad_dtype).float()
+    sent_total = received_total = 0
+    for rank, (shard_grad, traffic, pushed) in enumerate(results):
+        layout = _layout(rank, world, 2)
+        want = torch.zeros(layout.shard_numel)
+        for lo, hi, pos in layout.owned(rank):
+            want[pos:pos + hi - lo] = expected[lo:hi]
+        torch.testing.assert_close(shard_grad, want, rtol=1e-6, atol=1e-6)
+        own = sum(b - a for lo, hi in layout.owner_ranges(rank) for a, b in intersect(pushes[rank], lo, hi))
+        assert pushed == sum(b - a for a, b in pushes[rank])
+        assert traffic.grads_sent == (pushed - own) * 4
+        sent_total += traffic.grads_sent
+        received_total += traffic.grads_received
+    assert sent_total == received_total
+
+
+def test_pushes_outside_what_a_rank_computes_with_are_refused():
+    from runtime.fixed_layout import FixedLayout
+
+    layout = FixedLayout({"w": (10,)}, 0, 2)
+    with pytest.raises(ValueError, match=r"rank 1 pushes ranges \[\(2, 5\)\] outside those it computes with"):
+        Redistribution(layout, [[(0, 3)], [(3, 6)]], pushes=[[(0, 3)], [(2, 5)]])
+    with pytest.raises(ValueError, match="push ranges of all 2 ranks"):
+        Redistribution(layout, [[(0, 3)], [(3, 6)]], pushes=[[(0, 3)]])

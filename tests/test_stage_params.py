@@ -63,3 +63,26 @@ def test_bf16_copies_and_errors():
         StageParams(layout, _slices(), tp=2).weighted_grads()
     with pytest.raises(KeyError, match="'zzz'"):
         StageParams(layout, {"zzz": ParamSlice(name="zzz", full_shape=(2,))}, tp=1)
+
+
+def test_replicated_slices_are_pushed_whole_by_tp_rank_0_alone():
+    """With its TP rank known, rank 0 of the group pushes the replicated ``n`` at factor 1 and rank 1 not at
+    all; the split slices as before. Without it (or at tp=1) every rank pushes everything."""
+    layout = FixedLayout(SHAPES, 0, 1, split_dims={"a": 0, "b": 1})
+    first = StageParams(layout, _slices(), tp=2, tp_rank=0)
+    other = StageParams(layout, _slices(), tp=2, tp_rank=1)
+    legacy = StageParams(layout, _slices(), tp=2)
+    assert first.ranges == other.ranges == legacy.ranges == [(0, 3), (9, 21)]
+    assert first.push_ranges == legacy.push_ranges == [(0, 3), (9, 21)] and other.push_ranges == [(9, 21)]
+    assert legacy.weights == [(0, 3, 0.5)] and first.weights == [] and other.weights == []
+    for params in (first, other):
+        params.materialize()
+        params.fill_from({n: torch.ones(s) for n, s in SHAPES.items()})
+        params.zero_grads()
+        params.params["n"].sum().backward()
+        assert torch.equal(params.weighted_grads()[:3], torch.ones(3))  # whole: only rank 0's is pushed
+    single = StageParams(layout, {"n": ParamSlice(name="n", full_shape=(3,))}, tp=1, tp_rank=0)
+    assert single.push_ranges == single.ranges == [(0, 3)]
+    for bad in (2, -1, True, 0.0):
+        with pytest.raises(ValueError, match=f"tp_rank must be an integer in \\[0, 2\\).*got {bad!r}"):
+            StageParams(layout, _slices(), tp=2, tp_rank=bad)

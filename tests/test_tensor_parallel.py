@@ -208,7 +208,7 @@ VOCAB_GOLDEN = """\
 graph():
     %ids : [num_users=1] = placeholder[target=ids]
     %emb : [num_users=2] = get_attr[target=emb]
-    %embedding : [num_users=1] = call_function[target=passes.graph.collectives.vocab_parallel_embedding](args = (%ids, %emb, 5, g), kwargs = {})
+    %embedding : [num_users=1] = call_function[target=passes.graph.collectives.vocab_parallel_embedding](args = (%ids, %emb, 5, g, None), kwargs = {})
     %tp_copy_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_copy.default](args = (%embedding, g), kwargs = {})
     %linear : [num_users=1] = call_function[target=torch._C._nn.linear](args = (%tp_copy_default, %emb, None), kwargs = {})
     %tp_all_gather_default : [num_users=1] = call_function[target=torch.ops.hydraulis.tp_all_gather.default](args = (%linear, g, 2, 2, 1), kwargs = {})

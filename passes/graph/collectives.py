@@ -9,6 +9,12 @@ group's ``group_name`` so that the graph stays printable and compilable:
   replicated slice (key/value heads replicated because there are fewer than tp);
 - ``tp_all_gather``: forward concatenation of every rank's block along a dim, backward this rank's block
   (after a vocab-parallel LM head);
+- ``sp_all_gather``: forward concatenation of every rank's token block along a dim, backward the reduce-scatter
+  of the gradient (before a column-parallel linear under sequence parallelism);
+- ``sp_reduce_scatter``: forward the sum over the group of this rank's token block, backward the all-gather of
+  the gradient (after a row-parallel linear under sequence parallelism);
+- ``sp_split``: forward this rank's token block of a whole value, backward the all-gather of the gradient (a
+  replicated value entering the sequence-parallel region: every rank's producer gets the whole gradient);
 - ``cp_all_gather``: forward every context-parallel rank's keys or values padded to one width and stacked,
   backward the sum over the group of this rank's rows (``passes.graph.context_parallel``);
 - ``post_cp_gather`` / ``post_cp_grad_return``: those two exchanges posted, each returning the work to wait on:
@@ -31,8 +37,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["is_nccl", "uses_nccl", "all_reduce_tensor", "tp_all_reduce", "tp_copy", "tp_grad_share", "tp_all_gather",
            "vocab_parallel_embedding", "cp_all_gather", "post_cp_gather", "post_cp_grad_return",
-           "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER",
-           "CP_ALL_GATHER"]
+           "sp_all_gather", "sp_reduce_scatter", "sp_split",
+           "TP_ALL_REDUCE", "TP_COPY", "TP_GRAD_SHARE", "TP_ALL_GATHER", "SP_ALL_GATHER", "SP_REDUCE_SCATTER",
+           "SP_SPLIT", "CP_ALL_GATHER"]
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -158,6 +165,90 @@ def _gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
 tp_all_gather.register_autograd(_gather_grad, setup_context=_setup_gather)
 
 
+def _gather_blocks(x: torch.Tensor, group: str, dim: int, world: int) -> torch.Tensor:
+    """Every rank's ``x`` (the same shape on every rank) concatenated along ``dim`` in rank order, by one
+    single-tensor all-gather along dim 0."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+    _ALL_GATHER_SINGLE(out, moved, group=_resolve_process_group(group))
+    return out.movedim(0, dim).contiguous()
+
+
+def _scatter_blocks(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    """Block ``rank`` (of ``world`` equal blocks along ``dim``) of the sum of ``x`` over the group: a reduce-
+    scatter on NCCL; gloo has none, so an all-reduce and this rank's block of it."""
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence parallel: dim {dim} of size {x.shape[dim]} does not split into {world} blocks")
+    pg = _resolve_process_group(group)
+    moved = x.movedim(dim, 0).clone(memory_format=torch.contiguous_format)  # gloo sums in place; never x itself
+    width = moved.shape[0] // world
+    if uses_nccl(pg):
+        mine = moved.new_empty((width, *moved.shape[1:]))
+        _REDUCE_SCATTER_SINGLE(mine, moved, group=pg)
+    else:
+        dist.all_reduce(moved, group=pg)
+        mine = moved[rank * width:(rank + 1) * width]
+    return mine.movedim(0, dim).contiguous()
+
+
+def _local_block(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence parallel: dim {dim} of size {x.shape[dim]} does not split into {world} blocks")
+    return x.chunk(world, dim=dim)[rank].clone(memory_format=torch.contiguous_format)  # not a view of x
+
+
+@torch.library.custom_op("hydraulis::sp_all_gather", mutates_args=())
+def sp_all_gather(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    """Every rank's token block ``x`` concatenated along ``dim`` in rank order; the gradient is reduce-scattered
+    (each rank gets the group's sum of its own block's gradient)."""
+    return _gather_blocks(x, group, dim, world)
+
+
+@torch.library.custom_op("hydraulis::sp_reduce_scatter", mutates_args=())
+def sp_reduce_scatter(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    """This rank's block ``rank`` along ``dim`` of the sum of ``x`` over the group; the gradient is all-gathered."""
+    return _scatter_blocks(x, group, dim, world, rank)
+
+
+@torch.library.custom_op("hydraulis::sp_split", mutates_args=())
+def sp_split(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    """This rank's block ``rank`` along ``dim`` of a value every rank holds whole; the gradient is all-gathered,
+    so every rank's producer gets the whole gradient (the same on every rank)."""
+    return _local_block(x, dim, world, rank)
+
+
+def _fake_gather(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _fake_block(x: torch.Tensor, group: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    shape = list(x.shape)
+    if shape[dim] % world:
+        raise ValueError(f"sequence parallel: dim {dim} of size {shape[dim]} does not split into {world} blocks")
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+sp_all_gather.register_fake(_fake_gather)
+sp_reduce_scatter.register_fake(_fake_block)
+sp_split.register_fake(_fake_block)
+
+
+def _sp_scatter_grad(ctx: Any, grad: torch.Tensor) -> tuple:
+    return sp_reduce_scatter(grad, ctx.group, ctx.dim, ctx.world, ctx.rank), None, None, None, None
+
+
+def _sp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
+    return sp_all_gather(grad, ctx.group, ctx.dim, ctx.world, ctx.rank), None, None, None, None
+
+
+sp_all_gather.register_autograd(_sp_scatter_grad, setup_context=_setup_gather)
+sp_reduce_scatter.register_autograd(_sp_gather_grad, setup_context=_setup_gather)
+sp_split.register_autograd(_sp_gather_grad, setup_context=_setup_gather)
+
+
 def post_cp_gather(out: torch.Tensor, mine: torch.Tensor, group: str) -> dist.Work:
     """Post the all-gather of every rank's contiguous ``mine`` (the same shape on every rank) into ``out`` (the
     ranks' blocks in rank order) over the group named ``group``; wait on the returned work before reading
@@ -208,12 +299,16 @@ def _cp_gather_grad(ctx: Any, grad: torch.Tensor) -> tuple:
 cp_all_gather.register_autograd(_cp_gather_grad, setup_context=_setup_cp_gather)
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, group: str) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, group: str,
+                             padding_idx: int | None = None) -> torch.Tensor:
     """Embedding lookup in rows ``start .. start + weight.shape[0]`` of a vocabulary split over the group:
-    ids outside this rank's rows contribute zeros, and the all-reduce assembles every token's row."""
+    ids outside this rank's rows contribute zeros, and the all-reduce assembles every token's row.
+    ``padding_idx``: the whole table's padding row (no gradient), as ``F.embedding`` takes it; the rank holding
+    it keeps its row out of the gradient."""
     local = ids - start
     outside = (local < 0) | (local >= weight.shape[0])
-    rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + weight.shape[0] else None
+    rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, padding_idx=pad)
     return torch.ops.hydraulis.tp_all_reduce.default(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
 
@@ -222,4 +317,7 @@ TP_ALL_REDUCE = torch.ops.hydraulis.tp_all_reduce.default
 TP_COPY = torch.ops.hydraulis.tp_copy.default
 TP_GRAD_SHARE = torch.ops.hydraulis.tp_grad_share.default
 TP_ALL_GATHER = torch.ops.hydraulis.tp_all_gather.default
+SP_ALL_GATHER = torch.ops.hydraulis.sp_all_gather.default
+SP_REDUCE_SCATTER = torch.ops.hydraulis.sp_reduce_scatter.default
+SP_SPLIT = torch.ops.hydraulis.sp_split.default
 CP_ALL_GATHER = torch.ops.hydraulis.cp_all_gather.default

@@ -89,6 +89,9 @@ class Lowering:
     kv_splits: int = 1
     """Under cp > 1, the head groups the attention's K/V exchange is pipelined over, at most
     (``passes.graph.kv_exchange``; 1: one all-gather before the attention)."""
+    vocab_range: tuple[int, int] | None = None
+    """The last stage of a vocab-parallel head whose logits stay split: (start, stop) of the vocabulary columns
+    this rank's logits hold, the other ranks of its TP group holding the rest; None: the logits are whole."""
 
     @property
     def attention_limits(self) -> dict[str, MaskLimits] | None:
@@ -161,12 +164,13 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
                      tp_group: str | None = None, attention_kernel: str = "auto", vocab_parallel: bool = False,
                      cost_tokens: int | None = None, pieces: int = 1, cp_rank: int = 0,
                      cp_group: str | None = None, attention: Mapping[str, MaskLimits] | None = None,
-                     kv_splits: int = 1) -> tuple[Lowering, ...]:
+                     kv_splits: int = 1, split_logits: bool = False) -> tuple[Lowering, ...]:
     """One :class:`Lowering` per pipeline stage of ``scheme`` for TP rank ``tp_rank``, decided on ``analysed``
     (any capture of the model): the tensor-parallel plan on its canonical form, the pipeline cut on its
     tensor-parallel, packed form with attention costed at ``cost_tokens`` tokens per sequence (the longest
     micro-batch the scheme runs; None: the capture's own tokens). ``vocab_parallel``: split the token
-    embedding and LM head by vocabulary rows when tp > 1. ``pieces``: cut each stage into this many pieces of
+    embedding and LM head by vocabulary rows when tp > 1 (where the model allows), the logits left split with
+    ``split_logits`` (:attr:`Lowering.vocab_range`). ``pieces``: cut each stage into this many pieces of
     about equal cost (at most one per costed node) for overlapped movement; a recomputing scheme (``rc``) cuts
     at least one piece per attention of the stage (:func:`recompute_pieces`). ``cp_rank`` / ``cp_group``: this
     rank's place in its context-parallel group (cp > 1); the pipeline cut is decided on the CP graph.
@@ -177,7 +181,8 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
     if scheme.tp > 1:
         if "val" not in next(iter(gm.graph.nodes)).meta:
             propagate_vals(gm)
-        tensor_parallel = decide_tensor_parallel(gm, scheme.tp, tp_rank, vocab_parallel=vocab_parallel)
+        tensor_parallel = decide_tensor_parallel(gm, scheme.tp, tp_rank, vocab_parallel=vocab_parallel,
+                                                 split_logits=split_logits)
     pipeline = None
     if scheme.pp > 1:  # the cut is decided on the rewritten graph; without one, lower_graph below rewrites it
         ctx = _context(scheme, tp_rank, tp_group, attention_kernel, tensor_parallel, None, cp_rank, cp_group,
@@ -192,7 +197,9 @@ def decide_lowerings(analysed: fx.GraphModule, scheme: ParallelScheme, *, tp_ran
     for s in range(scheme.pp):
         lowering = dataclasses.replace(_stage_lowering(lowered, scheme, s, tp_rank, tensor_parallel, pipeline),
                                        cp_rank=cp_rank, cp_group=cp_group,
-                                       attention=tuple(sorted((attention or {}).items())), kv_splits=kv_splits)
+                                       attention=tuple(sorted((attention or {}).items())), kv_splits=kv_splits,
+                                       vocab_range=tensor_parallel.vocab_range if tensor_parallel is not None
+                                       and s == scheme.pp - 1 else None)
         stage_gm = _stage_module(lowered.graph_module, pipeline, s)
         count = min(max(pieces, recompute_pieces(stage_gm) if scheme.rc else 1), costed_nodes(stage_gm))
         if count > 1:
@@ -257,7 +264,7 @@ def apply_lowering(lowering: Lowering, captured: fx.GraphModule, bucket: int, *,
 
     variant = dict(key=key, tp_rank=lowering.tp_rank, graph_module=stage_gm, params=lowering.params,
                    inputs=lowering.inputs, boundary_in=lowering.boundary_in, boundary_out=lowering.boundary_out,
-                   records=lowered.records, counter=counter)
+                   records=lowered.records, counter=counter, vocab_range=lowering.vocab_range)
     recompute = lowering.scheme.rc
     if lowering.pieces is None:
         compiled = compile_(stage_gm)
@@ -321,7 +328,7 @@ class LoweringCache:
     def __init__(self, capture: Callable[[int], fx.GraphModule], buckets: TokenBuckets, *, kernel: str = "auto",
                  compile_backend: str = "eager", buffers: Mapping[str, torch.Tensor] | None = None,
                  cost_tokens: Callable[[ParallelScheme], int] | None = None, vocab_parallel: bool = False,
-                 model_name: str = "the model", pieces: int = 1, kv_splits: int = 1):
+                 model_name: str = "the model", pieces: int = 1, kv_splits: int = 1, split_logits: bool = False):
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"pieces must be a positive integer, got {pieces!r}")
         if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or kv_splits < 1:
@@ -332,6 +339,8 @@ class LoweringCache:
         self.capture, self.buckets, self.kernel, self.compile_backend = capture, buckets, kernel, compile_backend
         self.buffers = dict(buffers or {})
         self.cost_tokens, self.vocab_parallel, self.model_name = cost_tokens, vocab_parallel, model_name
+        self.split_logits = split_logits
+        """With ``vocab_parallel``: the last stage's logits stay split by vocabulary (``Lowering.vocab_range``)."""
         self._lowerings: dict[tuple, tuple[Lowering, ...]] = {}
         self._variants: dict[tuple, Variant] = {}
         self._programs: dict[tuple, StageVariants] = {}
@@ -368,7 +377,8 @@ class LoweringCache:
                 self.capture(self.buckets.sizes[0]), scheme, tp_rank=tp_rank, tp_group=tp_group,
                 attention_kernel=self.kernel, vocab_parallel=self.vocab_parallel,
                 cost_tokens=self.cost_tokens(scheme) if self.cost_tokens is not None else None, pieces=self.pieces,
-                cp_rank=cp_rank, cp_group=cp_group, attention=self.attention_limits(scheme), kv_splits=self.kv_splits)
+                cp_rank=cp_rank, cp_group=cp_group, attention=self.attention_limits(scheme), kv_splits=self.kv_splits,
+                split_logits=self.split_logits)
         return self._lowerings[key][stage]
 
     def variant(self, scheme: ParallelScheme, stage: int, bucket: int, tp_rank: int = 0,

@@ -21,6 +21,7 @@ parameter, which slice of the full tensor it expects.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import operator
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from passes.graph.analyze import OpClass, attention_sites, classify_node
 from passes.graph.collectives import TP_ALL_GATHER, TP_ALL_REDUCE, TP_COPY, TP_GRAD_SHARE, vocab_parallel_embedding
 from passes.graph.pass_runner import PassContext, PassError, PassResult, fill_vals, propagate_vals
 from passes.graph.sharding import Shard, block_index, propagate_node, where
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LinearRole", "ParamSlice", "TensorParallelPlan", "decide_tensor_parallel", "check_plan_fits", "split_dims",
            "shard_tensor_parallel_pass"]
@@ -156,6 +159,24 @@ class TensorParallelPlan:
     """Per column-parallel linear: its output chunks and which part of each this rank holds."""
     params: tuple[ParamSlice, ...]
     """Every parameter the graph reads, with this rank's slice."""
+    split_logits: bool = False
+    """With a vocab-parallel LM head: its logits stay this rank's vocabulary columns (no all-gather; the loss
+    assembles them over the group, ``runtime.loss.vocab_parallel_loss_sum``)."""
+
+    @property
+    def vocab_range(self) -> tuple[int, int] | None:
+        """(start, stop) of the vocabulary columns this rank's logits hold when they stay split, else None."""
+        if not self.split_logits:
+            return None
+        head = next((name for name, role in self.roles if role is LinearRole.VOCAB), None)
+        return None if head is None else self._head_rows(head)
+
+    def _head_rows(self, head: str) -> tuple[int, int] | None:
+        weight = dict(self.weights).get(head)
+        return None if weight is None else self.param(weight).ranges[0]
+
+    weights: tuple[tuple[str, str], ...] = ()
+    """(linear node name, its weight parameter's name) of the vocab-parallel head, when there is one."""
 
     def role(self, node: str) -> LinearRole:
         """The role of linear ``node``."""
@@ -382,12 +403,25 @@ def _is_token_embedding(node: fx.Node) -> bool:
             and node.args[0].op == "placeholder" and _param_name(node.args[1]) is not None)
 
 
-def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_parallel: bool = False
-                           ) -> TensorParallelPlan:
+def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_parallel: bool = False,
+                           split_logits: bool = False) -> TensorParallelPlan:
     """Roles of the linears, chunking of column outputs and the slice of every parameter, for one rank.
 
     ``vocab_parallel``: split the token embedding and the LM head by vocabulary rows instead of
-    replicating them (the logits are gathered, so the graph's output is unchanged)."""
+    replicating them; the logits are gathered, so the graph's output is unchanged, unless ``split_logits``:
+    then they stay this rank's columns (:attr:`TensorParallelPlan.vocab_range`). A model whose head or
+    embedding cannot be split so (a vocabulary tp does not divide, a head with a bias, a tied embedding read
+    whole elsewhere) keeps them replicated, as without ``vocab_parallel``."""
+    if vocab_parallel and tp > 1:
+        try:
+            return _decide(gm, tp, rank, vocab_parallel=True, split_logits=split_logits)
+        except PassError as exc:
+            log.debug("tensor parallel: the LM head and embedding stay replicated (%s)", exc)
+    return _decide(gm, tp, rank, vocab_parallel=False, split_logits=False)
+
+
+def _decide(gm: fx.GraphModule, tp: int, rank: int, *, vocab_parallel: bool, split_logits: bool
+            ) -> TensorParallelPlan:
     if tp < 1 or not 0 <= rank < tp:
         raise PassError(f"tensor parallel: need 0 <= rank < tp, got rank={rank!r} tp={tp!r}")
     if tp > 1:
@@ -423,8 +457,11 @@ def decide_tensor_parallel(gm: fx.GraphModule, tp: int, rank: int, *, vocab_para
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target not in slices and _is_param(gm, node.target):
             slices[node.target] = ParamSlice(name=node.target, full_shape=tuple(node.meta["val"].shape))
+    heads = tuple((n.name, _param_name(_linear_args(n).weight)) for n in gm.graph.nodes
+                  if _is_linear(n) and roles[n.name] is LinearRole.VOCAB)
     return TensorParallelPlan(tp=tp, rank=rank, roles=tuple(roles.items()), chunks=tuple(chunks.items()),
-                              params=tuple(slices.values()))
+                              params=tuple(slices.values()), split_logits=split_logits and bool(heads),
+                              weights=heads)
 
 
 def check_plan_fits(plan: TensorParallelPlan, gm: fx.GraphModule, tp: int, rank: int) -> None:
@@ -518,8 +555,10 @@ class _Rewriter:
         if node.op == "get_attr":
             return self.get_attr(node)
         if node.op == "output":
+            split_logits = Shard(dim=-1, frac=Fraction(1, self.plan.tp))
             for a in node.all_input_nodes:
-                if self.specs.get(a) is not None:
+                spec = self.specs.get(a)
+                if spec is not None and not (self.plan.split_logits and _last_dim_split(spec, a) == split_logits):
                     raise PassError(f"tensor parallel: graph output {where(a)} is still split over ranks")
             return self.new("output", "output", node.args)
         if _is_token_embedding(node) and node.args[1] in self.sharded_params:
@@ -628,6 +667,9 @@ class _Rewriter:
             new = self.new("call_function", node.target, node.args, like=node)
             new.update_arg(lin.x_pos, self.copies[x])
             if role is LinearRole.VOCAB:
+                if self.plan.split_logits:  # this rank's vocabulary columns, as the loss takes them
+                    self.specs[node] = Shard(dim=ndim - 1, frac=Fraction(1, self.plan.tp))
+                    return new
                 self.specs[node] = None
                 return self.graph.call_function(TP_ALL_GATHER, (new, self.group, ndim - 1, self.plan.tp,
                                                                 self.plan.rank))
@@ -654,10 +696,14 @@ class _Rewriter:
 
     def embedding(self, node: fx.Node) -> fx.Node:
         """Token ids -> rows of a vocabulary-split table, all-reduced."""
-        start = self.plan.param(node.args[1].target).ranges[0][0]
+        sl = self.plan.param(node.args[1].target)
+        start = sl.ranges[0][0]
+        padding_idx = node.kwargs.get("padding_idx", node.args[2] if len(node.args) > 2 else None)
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += sl.full_shape[0]
         self.specs[node] = None
-        return self.new("call_function", vocab_parallel_embedding, (node.args[0], node.args[1], start, self.group),
-                        like=node)
+        return self.new("call_function", vocab_parallel_embedding,
+                        (node.args[0], node.args[1], start, self.group, padding_idx), like=node)
 
     def attention(self, node: fx.Node) -> fx.Node:
         head_axis = 1
@@ -675,6 +721,12 @@ class _Rewriter:
             self.reduce_replicated_grads(node, new)
             self.narrow_operand(new, sinks, 0, specs[0].frac)
         return new
+
+
+def _last_dim_split(spec: Shard, node: fx.Node) -> Shard:
+    """``spec`` with its dim counted from the end (what the vocabulary split of logits is)."""
+    ndim = len(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else 0
+    return Shard(dim=spec.dim - ndim if spec.dim >= 0 else spec.dim, frac=spec.frac)
 
 
 def _is_param(gm: fx.GraphModule, name: str) -> bool:
@@ -733,7 +785,8 @@ def shard_tensor_parallel_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResu
     plan = ctx.option("shard_tensor_parallel_pass.plan")
     if plan is None:
         vocab_parallel = bool(ctx.option("shard_tensor_parallel_pass.vocab_parallel", False))
-        plan = decide_tensor_parallel(gm, tp, ctx.tp_rank, vocab_parallel=vocab_parallel)
+        split_logits = bool(ctx.option("shard_tensor_parallel_pass.split_logits", False))
+        plan = decide_tensor_parallel(gm, tp, ctx.tp_rank, vocab_parallel=vocab_parallel, split_logits=split_logits)
     else:
         check_plan_fits(plan, gm, tp, ctx.tp_rank)
     out = _Rewriter(gm, plan, ctx.tp_group).run()

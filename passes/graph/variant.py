@@ -124,6 +124,9 @@ class Variant:
     """Per piece, the parameters it reads."""
     gate: list = field(default_factory=lambda: [None])
     """``gate[0]``: called with a piece's parameter names before the piece runs (None: nothing to wait for)."""
+    vocab_range: tuple[int, int] | None = None
+    """The last stage of a vocab-parallel head whose logits stay split: (start, stop) of the vocabulary columns
+    this rank's logits hold (its TP group: the lowering's ``tp_group``); None: the logits are whole."""
 
     def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *boundary: torch.Tensor,
                  cp_inputs: tuple[torch.Tensor, ...] | None = None, max_seqlen: int | None = None) -> tuple:
@@ -139,7 +142,7 @@ class Variant:
         if not 0 <= longest <= self.key.bucket:
             raise ValueError(f"variant {self.key.describe()}: max_seqlen={max_seqlen} must be in [0, "
                              f"{self.key.bucket}]")
-        given: dict[str, Any] = {"input_ids": ids[None], "cu_seqlens": cu,
+        given: dict[str, Any] = {"input_ids": ids.unsqueeze(0), "cu_seqlens": cu,
                                  "max_seqlen": codegen.host_length(longest)}  # the padding span's length too
         if cp_inputs is not None:
             if int(input_ids.shape[0]) != self.key.bucket:

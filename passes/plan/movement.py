@@ -174,6 +174,10 @@ class ComputeLayout:
     windows: int = OVERLAP_WINDOWS
     """The windows the overlapped runtime cuts this layout into (:func:`window_cuts` of its parameters; a
     layout built without them: ``OVERLAP_WINDOWS``)."""
+    pushes: Mapping[Place, Ranges] = field(default_factory=dict)
+    """Per place whose gradient push is not all of its ranges: the ranges it pushes (the runtime's
+    ``StageParams.push_ranges``: a TP rank other than 0 pushes no replicated parameter); the others push
+    their ``ranges``."""
     _prefix: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -206,6 +210,15 @@ class ComputeLayout:
                 raise PlanError(f"the compute layout has no ranges for {_describe(place)}")
             self._prefix[place] = _Prefix.of(self.ranges[place])
         return self._prefix[place]
+
+    def pushed(self, place: Place) -> _Prefix:
+        """The ranges whose gradients ``place`` pushes (:attr:`pushes`, else its ranges), ready for counting."""
+        if place not in self.pushes:
+            return self.needs(place)
+        key = ("pushes", place)
+        if key not in self._prefix:
+            self._prefix[key] = _Prefix.of(self.pushes[place])
+        return self._prefix[key]
 
 
 def _describe(place: Place) -> str:
@@ -267,8 +280,12 @@ def movement_bytes(layout: ComputeLayout, strategy: Strategy, gpus_per_node: int
         local = sum(mine.inside(lo, hi) for lo, hi in owned)
         served = sum(n * layout.needs(p).inside(lo, hi) for p, n in counts.items() for lo, hi in owned) - local
         received = mine.total - local
+        push = layout.pushed(place)
+        push_local = sum(push.inside(lo, hi) for lo, hi in owned)
+        pushed_in = sum(n * layout.pushed(p).inside(lo, hi) for p, n in counts.items() for lo, hi in owned) - push_local
         out.append(RankMovement(params_received=received * param_bytes, params_sent=served * param_bytes,
-                                grads_sent=received * reduce_bytes, grads_received=served * reduce_bytes))
+                                grads_sent=(push.total - push_local) * reduce_bytes,
+                                grads_received=pushed_in * reduce_bytes))
     return tuple(out)
 
 
