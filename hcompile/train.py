@@ -16,7 +16,7 @@ import inspect
 import logging
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from hcompile.cost import (
 )
 from hcompile.data import DataError
 from hcompile.export import save_pretrained
-from hcompile.memory import bound_caps, model_memory, trainer_runtime, usable_memory
+from hcompile.memory import bound_caps, model_memory, prefer_expandable_segments, trainer_runtime, usable_memory
 from hcompile.miniature import MiniatureCheck, NotShrinkable, miniature_check
 from hcompile.verify import SELF_CHECK_MAX_TOKENS, check_strategy, prepare_strategy, self_check_cost
 from passes.graph.analyze import token_vocab
@@ -46,6 +46,7 @@ from passes.graph.pass_runner import PassError
 from passes.graph.tensor_parallel import split_dims
 from passes.graph.variant import TokenBuckets
 from passes.plan.context_parallel import KV_SPLITS
+from passes.plan.cost_model import TOKEN_ROUNDING
 from passes.plan.datasets import LengthDataset
 from passes.plan.ir import CostModel, ParallelScheme, Place, PlanError, StepPlan, Strategy
 from passes.plan.links import Links
@@ -169,6 +170,18 @@ class TrainOptions:
     keeps only its input, its forward runs again in its backward, about 4/3 of the compute) is planned beside it,
     with the cap the memory model gives it, so a step recomputes only on the replicas that hold what would not
     fit otherwise. A listed strategy may name ``rc`` schemes without it."""
+    vocab_parallel: bool = True
+    """Under tensor parallelism (tp > 1), the token embedding and the LM head split by vocabulary over the TP
+    group, and the logits left split: each TP rank holds (tokens, vocab/tp) logits and the cross-entropy is
+    assembled over the group (``runtime.loss.vocab_parallel_loss_sum``: two all-reduces of per-token values, one
+    fp32 (tokens, vocab/tp) copy kept for the backward), instead of every rank holding the whole (tokens, vocab)
+    logits and the loss's fp32 copies of them: with bf16 logits the loss's peak goes from 12 bytes per token per
+    vocabulary entry (an fp32 copy, its log-softmax, their gradients) to 6 per entry of this rank's vocab/tp
+    (the fp32 softmax and the bf16 gradient), the logits themselves from 2 x vocab to 2 x vocab/tp bytes per token
+    (LLaMA-2's 32000 at tp2: 438 KiB per token down to 125 KiB). The embedding and head weights, their gradients
+    and optimiser state are split too. ``False``: both replicated on every TP rank. Nothing changes at tp == 1;
+    a lowering that cannot split the head (a vocabulary tp does not divide, a head with a bias, a tied embedding
+    read whole elsewhere: ``passes.graph.tensor_parallel``) keeps it replicated."""
     movement_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     """With ``overlap_movement``: the most bytes of movement buffers (cast sends, gradient receives) a rank keeps
     in flight; its messages with one peer in one window (``runtime.overlap.largest_unit_numel``) when that is
@@ -218,7 +231,7 @@ class TrainOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("elementwise_optimizer", "regroup", "replicas_take_turns", "calibrate", "self_check",
-                     "overlap_movement"):
+                     "overlap_movement", "vocab_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_optimizer(self.optimizer, self.elementwise_optimizer)
@@ -260,6 +273,28 @@ def _without_tensor_parallel(model: CostModel, no_tp_form: PassError, rank: int)
     if rank == 0:
         log.info("strategies='auto' plans without tensor parallelism: %s", no_tp_form)
     return dataclasses.replace(model, entries=kept)
+
+
+def buckets_cut_to_caps(model: CostModel, buckets: TokenBuckets,
+                        schemes: Collection[ParallelScheme] | None = None) -> tuple[CostModel, TokenBuckets]:
+    """The caps of ``schemes`` (default: every scheme's) made token buckets, so that no micro-batch runs (and
+    allocates) beyond what the memory model charged: a cap's share per CP rank that falls between two buckets is
+    rounded down to a multiple of ``min(TOKEN_ROUNDING, smallest bucket)`` (so every TP degree up to it divides
+    it) and added as a bucket, the cap lowered to it; a cap on a bucket, or beyond the largest, is left as it is.
+    Returns the capped model and the buckets."""
+    sizes, caps = set(buckets.sizes), {}
+    granule = min(TOKEN_ROUNDING, buckets.sizes[0])
+    for e in model.entries:
+        share = e.max_tokens // e.scheme.cp
+        if (schemes is not None and e.scheme not in schemes) or share in sizes \
+                or not buckets.sizes[0] < share < buckets.sizes[-1]:
+            continue
+        cut = share // granule * granule
+        sizes.add(cut)
+        caps[e.scheme] = cut * e.scheme.cp
+    if not caps:
+        return model, buckets
+    return cap_tokens(model, caps), TokenBuckets(sizes=tuple(sorted(sizes)))
 
 
 def _lists_recomputation(strategies: str | tuple[str, ...]) -> bool:
@@ -403,7 +438,8 @@ class Trainer:
         memory = trainer_runtime(self.param_dtype, options.reduce_dtype, options.grad_accum_dtype,
                                  self.executor.chunk_numel,
                                  options.movement_inflight_bytes if options.overlap_movement else None,
-                                 largest_unit_numel(self.layout, self.executor.windows))
+                                 largest_unit_numel(self.layout, self.executor.windows),
+                                 options.movement_pieces if options.overlap_movement else 1)
         self.runtime_memory = memory
         """What each rank holds per parameter and in movement buffers, as the memory model charges it."""
         if cost_model is not None:
@@ -411,8 +447,11 @@ class Trainer:
         # the ranks sharing this machine's memory: as the launcher says (Cluster.local checks LOCAL_WORLD_SIZE),
         # also when the cluster passed in describes the job otherwise
         local = min(Cluster.local(self.ctx.world_size).gpus_per_node, self.ctx.world_size)
-        usable = usable_memory(self.ctx.device, local)  # collective: the smallest rank's
-        held = model_memory(analysed, ANALYSIS_TOKENS)
+        prefer_expandable_segments(self.ctx.device)
+        usable = usable_memory(self.ctx.device, local, self.ctx.world_size)  # collective: the smallest rank's
+        held = model_memory(analysed, ANALYSIS_TOKENS, vocab_parallel=options.vocab_parallel,
+                            measure=self.ctx.device.type == "cuda",
+                            twice=self._captured(2 * ANALYSIS_TOKENS) if self.ctx.device.type == "cuda" else None)
         recompute = options.recompute or _lists_recomputation(options.strategies)
         model = cost_model or default_cost_model(analysed, type(compiled.model).__name__, self.ctx.world_size,
                                                  options.tokens_per_rank, memory, self.ctx.device, memory=held,
@@ -423,18 +462,25 @@ class Trainer:
         if cost_model is not None and options.tokens_per_rank is not None:
             model = cap_tokens(model, {e.scheme: options.tokens_per_rank * token_ranks(e.scheme)
                                        for e in model.entries})
+        unbound = {e.scheme: e.max_tokens for e in model.entries}
         model = bound_caps(model, held, memory, usable, self.ctx.world_size,  # before any capture there
                            options.tokens_per_rank)
+        memory_bound = {e.scheme for e in model.entries if e.max_tokens < unbound[e.scheme]}
         check_strategies(options.strategies, model, analysed, self.ctx.world_size)
         capturable = self._largest_capturable(max(e.max_tokens // e.scheme.cp for e in model.entries))
-        self.cost_model = dataclasses.replace(
-            cap_tokens(model, {e.scheme: capturable * e.scheme.cp for e in model.entries}), buckets=self.buckets.sizes)
+        model, self.buckets = buckets_cut_to_caps(  # the memory model's caps; the user's run in their buckets
+            cap_tokens(model, {e.scheme: capturable * e.scheme.cp for e in model.entries}), self.buckets, memory_bound)
+        self.held_memory = held
+        """The model as the memory model reads it (what each scheme's cap was charged from)."""
+        self.cost_model = dataclasses.replace(model, buckets=self.buckets.sizes)
         """What the planner plans with: capped at the largest capturable bucket (a CP rank's share of it), each
-        micro-batch charged the padding up to its bucket, as the variants run it."""
+        cap a bucket (a micro-batch runs, and allocates, at its bucket), each micro-batch charged the padding up
+        to its bucket, as the variants run it."""
         self.lowerings: LoweringCache = compiled.lowerings(
             *self._compute_copies(), buckets=self.buckets, cost_tokens=self.cost_model.max_tokens,
             pieces=options.movement_pieces if options.overlap_movement else 1,
-            kv_splits=options.kv_splits or (KV_SPLITS if self.ctx.device.type == "cuda" else 1))
+            kv_splits=options.kv_splits or (KV_SPLITS if self.ctx.device.type == "cuda" else 1),
+            vocab_parallel=options.vocab_parallel)
         """This trainer's lowerings, variants and stage programs (bound to its compute copies)."""
         self.cost_model = self._shaped(self.cost_model, analysed)
         params = sum(p.numel() for p in compiled.model.parameters())

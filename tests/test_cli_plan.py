@@ -18,7 +18,7 @@ def test_json_summary_has_every_field(capsys):
                 "max_tokens", "pool", "lower_bound_ms_mean", "any_schedule_bound_ms_mean", "policies", "per_step"):
         assert key in out
     assert out["any_schedule_bound_ms_mean"] <= out["lower_bound_ms_mean"]
-    assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 38400
+    assert out["memory_model"] == "hcompile" and out["max_tokens"]["(tp16,pp1)"] == 36608
     assert out["movement"] == {"charged": True, "mode": "overlapped", "windows": 423, "param_bytes": 2,
                                "reduce_bytes": 4, "floor_ms": out["movement"]["floor_ms"],
                                "links": {"gpus_per_node": 8, "intra_gbps": 200.0, "inter_gbps": 25.0,

@@ -67,8 +67,9 @@ DISTRIBUTED_MODULES = {"runtime/distributed.py", "passes/graph/collectives.py"}
 graph's tensor-parallel ops (device tensors by construction)."""
 
 
-LAUNCHER = ("torch.distributed.run", "torch.distributed.elastic")
-"""torch's launcher (``hcompile launch`` wraps torchrun): starting processes, not communicating."""
+LAUNCHER = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed._tools")
+"""torch's launcher (``hcompile launch`` wraps torchrun): starting processes, not communicating; and its memory
+tools (``MemTracker``, which the memory model and the rehearsal track fake tensors with)."""
 
 
 def _uses_torch_distributed(path: Path) -> bool:
@@ -92,5 +93,6 @@ def test_the_distributed_check_sees_every_form(tmp_path):
         f = tmp_path / "m.py"
         f.write_text(text)
         assert _uses_torch_distributed(f), text
-    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\nfrom torch.distributed.run import main\n")
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\nfrom torch.distributed.run import main\n"
+                                   "from torch.distributed._tools.mem_tracker import MemTracker\n")
     assert not _uses_torch_distributed(tmp_path / "m.py")

@@ -21,7 +21,7 @@ GPUS = 128
 LAYOUT = default_optimizer_layout(PROFILE, GPUS, 160_000, HCOMPILE_RUNTIME, longest_held=True)
 MODEL = with_context_parallel(build_cost_model(PROFILE, LAYOUT, HCOMPILE_RUNTIME), PROFILE, LINKS, GPUS, 160_000,
                               LAYOUT, HCOMPILE_RUNTIME)
-BATCH = [150_000, 90_000, 61_000, 40_000, 33_000, 20_000, 12_000, 9_000, 4_000, 3_000, 2_500, 900, 700, 300] * 2
+BATCH = [120_000, 90_000, 61_000, 40_000, 33_000, 20_000, 12_000, 9_000, 4_000, 3_000, 2_500, 900, 700, 300] * 2
 
 
 def _plan(schedule) -> StepPlan:
@@ -62,7 +62,7 @@ def test_a_slot_runs_its_cp_groups_before_its_own_micro_batches_in_plan_order():
 
 
 def test_widening_shortens_a_step_the_longest_sequence_sets():
-    batch = [150_000] + [2_000] * 40
+    batch = [120_000] + [2_000] * 40
     layout = Strategy.parse("16x(tp8)")
     least, widened = (regrouped_schedule(MODEL, layout, batch, w) for w in (False, True))
     cp = {w: max(r.scheme.cp for r in s.replicas) for w, s in ((False, least), (True, widened))}
@@ -74,7 +74,7 @@ def test_slot_layouts_and_a_sequence_no_group_holds():
     assert slot_layout(Strategy.parse("2x(tp8,cp4)+8x(tp4)")) == Strategy.parse("8x(tp8)+8x(tp4)")
     assert slot_layout(Strategy.parse("2x(tp4,pp2)")) is None
     with pytest.raises(PlanError, match="fits no CP group of the slots of 1x\\(tp8,pp1\\)\\+30x\\(tp4,pp1\\)"):
-        regrouped_schedule(MODEL, Strategy.parse("1x(tp8)+30x(tp4)"), [150_000, 1_000])
+        regrouped_schedule(MODEL, Strategy.parse("1x(tp8)+30x(tp4)"), [120_000, 1_000])
 
 
 @pytest.mark.parametrize("charged", [False, True])
@@ -155,12 +155,12 @@ def _gpu_ms(schedule) -> float:
 
 
 def test_the_thrifty_schedule_gives_each_long_sequence_its_least_gpu_time():
-    """A long-context step of the 64-GPU preset (1M tokens) on 8 plain tp8 slots: the earliest finish puts the
-    117K and 113K documents on recomputing groups of 4 slots, which start sooner than a plain group of all 8 but
-    take about a quarter more GPU time; the thrifty variant gives every long sequence the group of least GPU time
-    among all that hold it (each CP size of (tp8) and of its recomputing twin, checked here by brute force),
-    spends less GPU time in all and ends the step sooner, above the any-schedule bound; hydraulis' planner
-    takes it."""
+    """A long-context step of the 64-GPU preset (1M tokens) on 8 plain tp8 slots: the thrifty variant gives every
+    long sequence the group of least GPU time among all that hold it (each CP size of (tp8) and of its
+    recomputing twin, checked here by brute force), spends no more GPU time in all and ends the step sooner,
+    above the any-schedule bound; hydraulis' planner takes it. (Under the caps before the memory model charged
+    a piece's gradients and the movement's NCCL buffers, the earliest finish also took recomputing groups of 4
+    for the 117K and 113K documents, a quarter more GPU time.)"""
     gpus, model = 64, _twins(64)
     batch = [159_232, 116_736, 113_088, 97_280, 89_024, 73_344, 48_960, 42_816, 38_912, 25_408, 22_464, 21_568,
              21_120, 20_608] + [13_000, 9_000, 6_000, 4_000, 2_500, 1_500, 900, 300] * 3
@@ -175,9 +175,8 @@ def test_the_thrifty_schedule_gives_each_long_sequence_its_least_gpu_time():
             least = min(model.micro_batch_ms(s, [batch[i]]) * s.gpus for s in every
                         if model.max_tokens(s) >= batch[i])
             assert group.est_ms * group.scheme.gpus == pytest.approx(least), (batch[i], group.scheme)
-    narrow = [g for g in eager.replicas if g.scheme.rc and g.scheme.cp == 4 and batch[g.micro_batches[0][0]] < 120_000]
-    assert narrow, "the earliest finish takes a narrower recomputing group for a document a plain one holds"
-    assert _gpu_ms(thrifty) < 0.97 * _gpu_ms(eager)
+    # the thrifty variant spends no more GPU time and ends the step sooner
+    assert _gpu_ms(thrifty) <= _gpu_ms(eager)
     assert thrifty.makespan_ms < 0.97 * eager.makespan_ms
     assert thrifty.makespan_ms >= bound_terms(model, gpus, tuple(batch)).any_schedule * (1 - 1e-9)
     members = sorted(i for r in thrifty.replicas for mb in r.micro_batches for i in mb)

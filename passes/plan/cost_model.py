@@ -38,12 +38,14 @@ __all__ = [
     "load_profile_file",
     "state_bytes",
     "max_tokens_for",
+    "device_reserve",
     "activation_bytes_per_token",
     "build_cost_model",
     "default_optimizer_layout",
     "RuntimeMemory",
     "hcompile_runtime",
     "HCOMPILE_RUNTIME",
+    "TRAINER_PIECES",
     "MEMORY_MODELS",
     "RECOMPUTE_MODES",
     "RECOMPUTE_TIME",
@@ -78,22 +80,38 @@ class RuntimeMemory:
     compute dtype and its gradient buffer in the accumulation dtype)."""
     buffer_bytes: float = 0.0
     """Fixed bytes of transfer buffers."""
+    param_bytes: float = 0.0
+    """Of ``compute_bytes``, the compute-dtype parameter itself (the rest: its gradient buffer); 0: not said. A
+    compiled piece's backward also hands out its parameters' gradients in this dtype at once."""
+    pieces: int = 1
+    """Compiled pieces each stage is cut into (overlapped movement): one piece's gradients are out at once."""
 
     def __post_init__(self) -> None:
-        for name in ("sharded_bytes", "compute_bytes", "buffer_bytes"):
+        for name in ("sharded_bytes", "compute_bytes", "buffer_bytes", "param_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise PlanError(f"runtime memory {name} must be a finite number >= 0, got {value!r}")
+        if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
+            raise PlanError(f"runtime memory pieces must be a positive integer, got {self.pieces!r}")
+        if self.param_bytes > self.compute_bytes:
+            raise PlanError(f"runtime memory param_bytes ({self.param_bytes!r}) is more than compute_bytes "
+                            f"({self.compute_bytes!r})")
+
+
+TRAINER_PIECES = 4
+"""Pieces a trainer cuts each stage into by default (``TrainOptions.movement_pieces`` with overlapped movement)."""
 
 
 def hcompile_runtime(param_bytes: int = 2, reduce_bytes: int = 4, optimizer_bytes: int = 8,
-                     chunk_numel: int = 1 << 24, grad_bytes: int = 4) -> RuntimeMemory:
+                     chunk_numel: int = 1 << 24, grad_bytes: int = 4, pieces: int = TRAINER_PIECES) -> RuntimeMemory:
     """This project's runtime: fp32 master (4), optimiser state (``optimizer_bytes``, 8 for Adam) and the fp32
     shard gradient (4) per parameter over all GPUs; the compute copy's parameter in the compute dtype
     (``param_bytes``) and its gradient buffer in the accumulation dtype (``grad_bytes``, 4: micro-batches
-    accumulate in fp32 whatever the compute dtype); one send and one receive chunk of ``chunk_numel`` elements."""
+    accumulate in fp32 whatever the compute dtype); one send and one receive chunk of ``chunk_numel`` elements;
+    each stage cut into ``pieces`` compiled pieces."""
     return RuntimeMemory(name="hcompile", sharded_bytes=4 + optimizer_bytes + 4, compute_bytes=param_bytes + grad_bytes,
-                         buffer_bytes=2 * chunk_numel * max(param_bytes, reduce_bytes))
+                         buffer_bytes=2 * chunk_numel * max(param_bytes, reduce_bytes), param_bytes=param_bytes,
+                         pieces=pieces)
 
 
 HCOMPILE_RUNTIME = hcompile_runtime()
@@ -305,7 +323,9 @@ def state_bytes(profile: Profile, scheme: ParallelScheme, layout: Strategy,
         per_h2 = B / PROFILED_BYTES_PER_PARAM  # parameters per H^2 per layer
         total = L * H * H * per_h2 + 2 * H * V
         on_stage = (L / pp) * (H * H / tp) * per_h2 + (H * V / tp) * _embedding_factor(pp) / PROFILED_BYTES_PER_PARAM
-        return total * runtime.sharded_bytes / layout.gpus + on_stage * runtime.compute_bytes + runtime.buffer_bytes
+        transient = on_stage / runtime.pieces * runtime.param_bytes  # one compiled piece's gradients out at once
+        return (total * runtime.sharded_bytes / layout.gpus + on_stage * runtime.compute_bytes + transient
+                + runtime.buffer_bytes)
     return (
         (L / os_scheme.pp) * (H * H / os_scheme.tp) * B * alpha / os_dp
         + (L / pp) * (H * H / tp) * B * (1 - alpha)
@@ -325,16 +345,27 @@ def activation_bytes_per_token(profile: Profile, scheme: ParallelScheme) -> floa
     return profile.layers * layer / scheme.cp
 
 
+def device_reserve(profile: Profile, gpus: int, runtime: RuntimeMemory | None = None) -> float:
+    """Bytes of a GPU no tensor of the step may use: what the profile's hardware section reserves (the framework
+    and the profiled runtime's communication buffers, and a safety margin, which cover the CUDA context and the
+    collective communicators); with ``runtime`` (this project's) on GPUs also the point-to-point buffers its
+    movement communicator opens to each of the job's other ``gpus - 1`` ranks
+    (``passes.plan.memory.NCCL_P2P_PEER_BYTES`` each). A profile measured on CPU ranks (``hcompile profile``
+    there) reserves nothing and has no NCCL."""
+    reserve = profile.safety_gib * GIB + profile.reserved_mib * MIB
+    if runtime is None or profile.reserved_mib <= 0:
+        return reserve
+    from passes.plan.memory import NCCL_P2P_PEER_BYTES  # it imports this module
+
+    return reserve + max(gpus - 1, 0) * NCCL_P2P_PEER_BYTES
+
+
 def max_tokens_for(profile: Profile, scheme: ParallelScheme, layout: Strategy,
                    runtime: RuntimeMemory | None = None) -> int:
     """Longest micro-batch (tokens, multiple of 128, 0 when nothing fits) of ``scheme`` under ``layout``
     (``runtime`` as in :func:`state_bytes`; activations as :func:`activation_bytes_per_token` counts them)."""
-    free = (
-        profile.memory_bound_mib * MIB
-        - profile.safety_gib * GIB
-        - profile.reserved_mib * MIB
+    free = profile.memory_bound_mib * MIB - device_reserve(profile, layout.gpus, runtime) \
         - state_bytes(profile, scheme, layout, runtime)
-    )
     per_token = activation_bytes_per_token(profile, scheme)
     tokens = int(math.floor(free / per_token / TOKEN_ROUNDING)) * TOKEN_ROUNDING
     return max(tokens, 0)

@@ -11,10 +11,20 @@ the trainer never disagree on what fits. A rank of scheme (tp, pp, cp) holds:
   tp, in ``runtime.compute_bytes`` per parameter (the compute-dtype parameter and its gradient-accumulation
   buffer);
 - the movement buffers (``runtime.buffer_bytes``: the transfer chunks, and the overlapped runtime's windows);
-- the activations of one micro-batch: ``bytes_per_token / (tp * cp)`` per token (1F1B keeps ``pp`` micro-batches
-  of ``layers / pp`` layers on the first stage: the whole model's worth); under recomputation (``scheme.rc``)
-  ``recompute_bytes_per_token / (tp * cp) + layer_input_bytes / cp``: every layer's input, whole on every rank
-  of a TP group, and what the one layer being recomputed and the loss keep.
+- the activations of one micro-batch at the token bucket it runs in: ``((bytes_per_token - whole) / tp + whole)
+  / cp`` per token, where ``whole_bytes_per_token`` is what every rank of a TP group keeps whole (under sequence
+  parallelism the gathered inputs of the column-parallel linears; without it, or with the LM head replicated, more),
+  plus the keys and values a context-parallel rank gathers for the backward (``kv_bytes_per_token``, cp - 1 other
+  ranks' rows) and one layer's attention-backward working copies (``attention_working_bytes_per_token``); 1F1B keeps
+  ``pp`` micro-batches of ``layers / pp`` layers on the first stage: the whole model's worth. Under recomputation
+  (``scheme.rc``) ``recompute_bytes_per_token / (tp * cp) + layer_input_bytes / cp``;
+- the gradients one compiled piece's backward hands out at once, in the compute dtype, before they are added to
+  the accumulation buffer (``runtime.param_bytes`` per parameter of a ``runtime.pieces``-th of the stage).
+
+:class:`RankCharge` is that charge by category at one token count (:func:`rank_charge`), as the rehearsal
+(``hcompile.rehearsal``) tracks a rank's peak. What no tracker on fake tensors sees is a reserve apart
+(:func:`device_reserve_bytes`): the CUDA context and libraries' workspaces, every NCCL communicator's buffers and
+the caching allocator's fragmentation, stated figures that only a GPU confirms.
 """
 
 from __future__ import annotations
@@ -24,7 +34,29 @@ from dataclasses import dataclass
 from passes.plan.cost_model import TOKEN_ROUNDING, RuntimeMemory
 from passes.plan.ir import ParallelScheme, PlanError
 
-__all__ = ["ModelMemory", "rank_state_bytes", "scheme_cap"]
+__all__ = ["ModelMemory", "RankCharge", "rank_charge", "rank_state_bytes", "scheme_cap", "device_reserve_bytes",
+           "CONTEXT_RESERVE_BYTES", "NCCL_COMMUNICATORS", "NCCL_COMMUNICATOR_BYTES", "NCCL_P2P_PEER_BYTES",
+           "FRAGMENTATION"]
+
+GIB = 2**30
+MIB = 2**20
+CONTEXT_RESERVE_BYTES = 1.0 * GIB
+"""The CUDA context, cuBLAS/cuDNN workspaces and loaded kernel images on one GPU (an assumption: PyTorch's own
+figure on an H100 with lazy module loading is 0.5-0.8 GiB; only a GPU confirms it)."""
+NCCL_COMMUNICATOR_BYTES = 0.25 * GIB
+"""Buffers of one NCCL communicator a rank is a member of, for its collectives (ring/tree channels of the
+SIMPLE, LL and LL128 protocols at the default NCCL_BUFFSIZE; NVLS, on by default on HGX H100, costs more: set
+NCCL_NVLS_ENABLE=0 or raise this). An assumption that only a GPU confirms."""
+NCCL_P2P_PEER_BYTES = 16 * MIB
+"""Buffers of one point-to-point connection to one peer (send and receive, the default NCCL_BUFFSIZE over the
+channels NCCL opens per peer); the movement communicator opens one to every peer it exchanges with. An
+assumption that only a GPU confirms."""
+NCCL_COMMUNICATORS = 6
+"""NCCL communicators a GPU rank is a member of: the default group, the movement group, and the TP and CP groups
+of the schemes it runs (the planner's 64-GPU long-context job: 4 per rank)."""
+FRAGMENTATION = 0.05
+"""Share of a GPU's memory kept for the caching allocator's fragmentation (the runtime asks for expandable
+segments, which keeps it small)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +81,15 @@ class ModelMemory:
     layer_input_bytes: float = 0.0
     """Under recomputation: the bytes per token of every layer's input together (what each layer keeps for its
     recomputation), whole on every rank of a TP group (its tensor parallelism does not split the sequence)."""
+    whole_bytes_per_token: float = 0.0
+    """Of ``bytes_per_token``, what every rank of a TP group keeps whole rather than a 1/tp share of (under
+    sequence parallelism the gathered inputs of the column-parallel linears, which they save for the backward)."""
+    kv_bytes_per_token: float = 0.0
+    """Every layer's keys and values together per token, as the attention reads them: a context-parallel rank
+    gathers the other cp - 1 ranks' rows and keeps them for the backward (split over TP ranks by heads)."""
+    attention_working_bytes_per_token: float = 0.0
+    """What one layer's attention backward allocates per token besides its inputs (fp32 copies of the output and
+    its gradient), for the layer being differentiated (split over TP ranks by heads)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "split_params", "embed_params", "head_params"):
@@ -62,8 +103,13 @@ class ModelMemory:
             raise PlanError(f"bytes_per_token must be > 0, got {self.bytes_per_token!r}")
         if self.recompute_bytes_per_token is not None and not self.recompute_bytes_per_token > 0:
             raise PlanError(f"recompute_bytes_per_token must be > 0 or None, got {self.recompute_bytes_per_token!r}")
-        if not self.layer_input_bytes >= 0:
-            raise PlanError(f"layer_input_bytes must be >= 0, got {self.layer_input_bytes!r}")
+        for name in ("layer_input_bytes", "whole_bytes_per_token", "kv_bytes_per_token",
+                     "attention_working_bytes_per_token"):
+            if not getattr(self, name) >= 0:
+                raise PlanError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.whole_bytes_per_token > self.bytes_per_token:
+            raise PlanError(f"whole_bytes_per_token ({self.whole_bytes_per_token}) is more than bytes_per_token "
+                            f"({self.bytes_per_token})")
 
     def stage_params(self, scheme: ParallelScheme) -> float:
         """Parameters one rank of ``scheme`` computes with: its TP slice of the layers of its heaviest stage (a
@@ -75,15 +121,69 @@ class ModelMemory:
 
     def per_token(self, scheme: ParallelScheme) -> float:
         """Activation bytes a rank of ``scheme`` keeps per token of one of its micro-batches (module docstring)."""
+        tp, cp = scheme.tp, scheme.cp
+        extra = (self.kv_bytes_per_token * (cp - 1) + self.attention_working_bytes_per_token) / (tp * cp)
         if scheme.rc and self.recompute_bytes_per_token is not None:
-            return self.recompute_bytes_per_token / (scheme.tp * scheme.cp) + self.layer_input_bytes / scheme.cp
-        return self.bytes_per_token / (scheme.tp * scheme.cp)
+            return self.recompute_bytes_per_token / (tp * cp) + self.layer_input_bytes / cp + extra
+        whole = self.whole_bytes_per_token if tp > 1 else 0.0
+        return ((self.bytes_per_token - whole) / tp + whole) / cp + extra
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankCharge:
+    """What the memory model charges one rank of a scheme at one token count, by category (bytes)."""
+
+    parameters: float
+    """The compute copy: its scheme's heaviest stage's parameters (TP slices) in the compute dtype."""
+    gradients: float
+    """The gradient accumulation buffer of the compute copy, and one piece's gradients handed out at once."""
+    optimizer: float
+    """Its share of the fixed layout: fp32 master weights, optimiser state, the shard's gradient."""
+    activations: float
+    """One micro-batch's activations at the token count (1F1B's in-flight micro-batches on the first stage)."""
+    buffers: float
+    """The movement buffers."""
+    reserve: float = 0.0
+    """What no tracker on fake tensors sees (:func:`device_reserve_bytes`)."""
+
+    @property
+    def tracked(self) -> float:
+        """Everything but the reserve: what a rehearsal on fake tensors tracks."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    @property
+    def total(self) -> float:
+        """Every byte charged."""
+        return self.tracked + self.reserve
+
+    def as_dict(self) -> dict[str, float]:
+        """Category -> bytes, with ``tracked`` and ``total``."""
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "reserve": self.reserve,
+                "tracked": self.tracked, "total": self.total}
+
+
+def _param_bytes(runtime: RuntimeMemory) -> float:
+    """Bytes of a compute-copy parameter itself (all of ``compute_bytes`` when the runtime does not say)."""
+    return runtime.param_bytes or runtime.compute_bytes
+
+
+def rank_charge(model: ModelMemory, scheme: ParallelScheme, world: int, runtime: RuntimeMemory, tokens: float, *,
+                reserve: float = 0.0) -> RankCharge:
+    """The charge of one rank of ``scheme`` on a job of ``world`` ranks running a micro-batch of ``tokens`` tokens
+    (its token bucket), its stage cut into ``runtime.pieces`` compiled pieces (module docstring)."""
+    pieces = runtime.pieces
+    stage = model.stage_params(scheme)
+    param = _param_bytes(runtime)
+    gradients = stage * (runtime.compute_bytes - param) + stage / pieces * param
+    return RankCharge(parameters=stage * param, gradients=gradients,
+                      optimizer=model.params * runtime.sharded_bytes / world,
+                      activations=tokens * model.per_token(scheme), buffers=runtime.buffer_bytes, reserve=reserve)
 
 
 def rank_state_bytes(model: ModelMemory, scheme: ParallelScheme, world: int, runtime: RuntimeMemory) -> float:
     """Bytes a rank of ``scheme`` holds besides activations on a job of ``world`` ranks (module docstring)."""
-    return (model.params * runtime.sharded_bytes / world + model.stage_params(scheme) * runtime.compute_bytes
-            + runtime.buffer_bytes)
+    return rank_charge(model, scheme, world, runtime, 0).tracked
 
 
 def scheme_cap(model: ModelMemory, scheme: ParallelScheme, world: int, runtime: RuntimeMemory,
@@ -94,3 +194,15 @@ def scheme_cap(model: ModelMemory, scheme: ParallelScheme, world: int, runtime: 
     if free <= 0:
         return 0
     return int(free // model.per_token(scheme)) // TOKEN_ROUNDING * TOKEN_ROUNDING
+
+
+def device_reserve_bytes(memory_bytes: float, communicators: int, p2p_peers: int) -> float:
+    """What a GPU of ``memory_bytes`` keeps beside what a rank's tensors take: the CUDA context
+    (:data:`CONTEXT_RESERVE_BYTES`), ``communicators`` NCCL communicators (:data:`NCCL_COMMUNICATOR_BYTES` each),
+    point-to-point connections to ``p2p_peers`` peers (:data:`NCCL_P2P_PEER_BYTES` each) and the allocator's
+    fragmentation (:data:`FRAGMENTATION` of the memory). Assumptions stated per constant; a GPU confirms them."""
+    for name, value in (("communicators", communicators), ("p2p_peers", p2p_peers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"{name} must be an integer >= 0, got {value!r}")
+    return (CONTEXT_RESERVE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES + p2p_peers * NCCL_P2P_PEER_BYTES
+            + FRAGMENTATION * memory_bytes)
