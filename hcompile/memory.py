@@ -308,6 +308,7 @@ def model_memory(graph: fx.GraphModule, tokens: int, *, sequence_parallel: bool 
                     if n.op == "call_function" and n.target is torch.nn.functional.embedding
                     and isinstance(n.meta.get("val"), torch.Tensor)), default=0.0)
     parts = _activations(graph)
+    vocab_parallel = vocab_parallel and _splits_vocabulary(canonical)
     measured = measured_bytes_per_token(graph, tokens, twice) if measure else None
     total = measured if measured is not None else step_bytes_per_token(graph, tokens, parts)
     kv, working = 0.0, 0.0
@@ -322,7 +323,17 @@ def model_memory(graph: fx.GraphModule, tokens: int, *, sequence_parallel: bool 
                        layer_input_bytes=layers * residual,
                        whole_bytes_per_token=_whole_bytes_per_token(canonical, roles, tokens, parts.logits,
                                                                     sequence_parallel, vocab_parallel, total),
-                       kv_bytes_per_token=kv, attention_working_bytes_per_token=working)
+                       kv_bytes_per_token=kv, attention_working_bytes_per_token=working,
+                       edges_split=vocab_parallel)
+
+
+def _splits_vocabulary(canonical: fx.GraphModule) -> bool:
+    """Whether a vocab-parallel lowering of the model splits its head and embedding (tried at tp 2; a model the
+    split does not fit keeps them replicated, ``passes.graph.tensor_parallel``)."""
+    try:
+        return decide_tensor_parallel(canonical, 2, 0, vocab_parallel=True, split_logits=True).vocab_range is not None
+    except PassError:
+        return False
 
 
 def _element_size(gm: fx.GraphModule) -> int:

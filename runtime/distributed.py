@@ -637,3 +637,24 @@ def shutdown() -> None:
     _timeouts.pop("outside", None)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world: int) -> Iterator[None]:
+    """This process as rank ``rank`` of a fake job of ``world`` ranks (the ``fake`` backend of
+    ``torch.testing._internal.distributed.fake_pg``: collectives return at once, nothing is sent; what the
+    rehearsal, ``hcompile.rehearsal``, runs one rank of a large job in), destroyed on exit. Refused
+    (RuntimeError) when a process group is already initialised: the rehearsal would replace it."""
+    from torch.distributed._tools import fake_collectives  # noqa: F401  (fake collectives under fake mode)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised: a rehearsal makes its own fake world of the "
+                           "whole job; destroy the group first (dist.destroy_process_group())")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -76,7 +76,9 @@ def test_each_rank_holds_its_own_slice():
     assert trainer.max_tokens(ParallelScheme(tp=1)) == 0 and ParallelScheme(tp=1) not in trainer.schemes
     tp8 = ParallelScheme(tp=8)
     layers = held.params - held.embed_params - held.head_params
-    stage = held.split_params / 8 + (layers - held.split_params) + held.embed_params + held.head_params
+    # the vocab-parallel head and embedding (on by default) are split by vocabulary too
+    assert held.edges_split
+    stage = held.split_params / 8 + (layers - held.split_params) + (held.embed_params + held.head_params) / 8
     # the compute copy, its fp32 accumulation buffer and the bf16 gradients one of its 4 pieces hands out at once
     states = (held.params * RUNTIME.sharded_bytes / 64 + stage * (RUNTIME.compute_bytes + RUNTIME.param_bytes / 4)
               + RUNTIME.buffer_bytes)
@@ -158,8 +160,13 @@ def test_the_charge_by_category_follows_the_formula_by_hand():
     per_token = ((64 - 16) / 2 + 16) / 2 + (8 * (2 - 1) + 4) / (2 * 2)  # SP split, gathered K/V, attention bwd
     assert memory.per_token(scheme) == per_token and charge.activations == 256 * per_token
     assert charge.buffers == RUNTIME.buffer_bytes and charge.reserve == 1e6
+    # the optimiser's step runs after the backward: the larger of it and the activations is charged
+    assert charge.optimizer_step == 1000 * RUNTIME.step_bytes / 8 < charge.activations
     assert charge.total == charge.tracked + 1e6 == pytest.approx(sum(
-        v for k, v in charge.as_dict().items() if k not in ("tracked", "total")))
+        v for k, v in charge.as_dict().items() if k not in ("tracked", "total", "optimizer_step")))
+    tiny = rank_charge(memory, scheme, 8, RUNTIME, 1)
+    assert tiny.tracked == pytest.approx(tiny.parameters + tiny.gradients + tiny.optimizer + tiny.buffers
+                                         + tiny.optimizer_step)
     # without tensor parallelism nothing is "whole" beside a split: the tp1 figure is the model's own
     assert memory.per_token(ParallelScheme()) == 64 + 4
 

@@ -85,9 +85,12 @@ class RuntimeMemory:
     compiled piece's backward also hands out its parameters' gradients in this dtype at once."""
     pieces: int = 1
     """Compiled pieces each stage is cut into (overlapped movement): one piece's gradients are out at once."""
+    step_bytes: float = 0.0
+    """Working memory of the optimiser's step per parameter of the rank's shard (after the backward, when the
+    activations are gone): AdamW's foreach step holds about two fp32 temporaries per element."""
 
     def __post_init__(self) -> None:
-        for name in ("sharded_bytes", "compute_bytes", "buffer_bytes", "param_bytes"):
+        for name in ("sharded_bytes", "compute_bytes", "buffer_bytes", "param_bytes", "step_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise PlanError(f"runtime memory {name} must be a finite number >= 0, got {value!r}")
@@ -103,15 +106,17 @@ TRAINER_PIECES = 4
 
 
 def hcompile_runtime(param_bytes: int = 2, reduce_bytes: int = 4, optimizer_bytes: int = 8,
-                     chunk_numel: int = 1 << 24, grad_bytes: int = 4, pieces: int = TRAINER_PIECES) -> RuntimeMemory:
+                     chunk_numel: int = 1 << 24, grad_bytes: int = 4, pieces: int = TRAINER_PIECES,
+                     step_bytes: float = 8.0) -> RuntimeMemory:
     """This project's runtime: fp32 master (4), optimiser state (``optimizer_bytes``, 8 for Adam) and the fp32
     shard gradient (4) per parameter over all GPUs; the compute copy's parameter in the compute dtype
     (``param_bytes``) and its gradient buffer in the accumulation dtype (``grad_bytes``, 4: micro-batches
     accumulate in fp32 whatever the compute dtype); one send and one receive chunk of ``chunk_numel`` elements;
-    each stage cut into ``pieces`` compiled pieces."""
+    each stage cut into ``pieces`` compiled pieces; ``step_bytes`` of the optimiser step's temporaries per shard
+    element (AdamW's foreach step, measured by the rehearsal: about two fp32 per element)."""
     return RuntimeMemory(name="hcompile", sharded_bytes=4 + optimizer_bytes + 4, compute_bytes=param_bytes + grad_bytes,
                          buffer_bytes=2 * chunk_numel * max(param_bytes, reduce_bytes), param_bytes=param_bytes,
-                         pieces=pieces)
+                         pieces=pieces, step_bytes=step_bytes)
 
 
 HCOMPILE_RUNTIME = hcompile_runtime()

@@ -87,6 +87,8 @@ class ModelMemory:
     kv_bytes_per_token: float = 0.0
     """Every layer's keys and values together per token, as the attention reads them: a context-parallel rank
     gathers the other cp - 1 ranks' rows and keeps them for the backward (split over TP ranks by heads)."""
+    edges_split: bool = False
+    """The token embedding and the LM head split by vocabulary over a TP group (a vocab-parallel head)."""
     attention_working_bytes_per_token: float = 0.0
     """What one layer's attention backward allocates per token besides its inputs (fp32 copies of the output and
     its gradient), for the layer being differentiated (split over TP ranks by heads)."""
@@ -113,11 +115,12 @@ class ModelMemory:
 
     def stage_params(self, scheme: ParallelScheme) -> float:
         """Parameters one rank of ``scheme`` computes with: its TP slice of the layers of its heaviest stage (a
-        pp-th of them), and the embedding and head whole on the stages that hold them."""
+        pp-th of them), and the embedding and head on the stages that hold them (a 1/tp share of each when
+        ``edges_split``)."""
         layers = self.params - self.embed_params - self.head_params
         sliced = (self.split_params / scheme.tp + (layers - self.split_params)) / scheme.pp
         edges = self.embed_params + self.head_params if scheme.pp == 1 else max(self.embed_params, self.head_params)
-        return sliced + edges
+        return sliced + (edges / scheme.tp if self.edges_split else edges)
 
     def per_token(self, scheme: ParallelScheme) -> float:
         """Activation bytes a rank of ``scheme`` keeps per token of one of its micro-batches (module docstring)."""
@@ -143,13 +146,17 @@ class RankCharge:
     """One micro-batch's activations at the token count (1F1B's in-flight micro-batches on the first stage)."""
     buffers: float
     """The movement buffers."""
+    optimizer_step: float = 0.0
+    """The optimiser step's working memory; the step runs after the backward, so it counts against the
+    activations, not beside them (the larger of the two is charged)."""
     reserve: float = 0.0
     """What no tracker on fake tensors sees (:func:`device_reserve_bytes`)."""
 
     @property
     def tracked(self) -> float:
         """Everything but the reserve: what a rehearsal on fake tensors tracks."""
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        return (self.parameters + self.gradients + self.optimizer + max(self.activations, self.optimizer_step)
+                + self.buffers)
 
     @property
     def total(self) -> float:
@@ -159,7 +166,8 @@ class RankCharge:
     def as_dict(self) -> dict[str, float]:
         """Category -> bytes, with ``tracked`` and ``total``."""
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": self.activations, "buffers": self.buffers, "reserve": self.reserve,
+                "activations": self.activations, "buffers": self.buffers, "optimizer_step": self.optimizer_step,
+                "reserve": self.reserve,
                 "tracked": self.tracked, "total": self.total}
 
 
@@ -178,12 +186,14 @@ def rank_charge(model: ModelMemory, scheme: ParallelScheme, world: int, runtime:
     gradients = stage * (runtime.compute_bytes - param) + stage / pieces * param
     return RankCharge(parameters=stage * param, gradients=gradients,
                       optimizer=model.params * runtime.sharded_bytes / world,
+                      optimizer_step=model.params * runtime.step_bytes / world,
                       activations=tokens * model.per_token(scheme), buffers=runtime.buffer_bytes, reserve=reserve)
 
 
 def rank_state_bytes(model: ModelMemory, scheme: ParallelScheme, world: int, runtime: RuntimeMemory) -> float:
     """Bytes a rank of ``scheme`` holds besides activations on a job of ``world`` ranks (module docstring)."""
-    return rank_charge(model, scheme, world, runtime, 0).tracked
+    charge = rank_charge(model, scheme, world, runtime, 0)
+    return charge.tracked - charge.optimizer_step
 
 
 def scheme_cap(model: ModelMemory, scheme: ParallelScheme, world: int, runtime: RuntimeMemory,
