@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_util import run_ranks
+from test_tensor_parallel import tied_graph
 from torch import fx, nn
 
 from hcompile.capture import capture
@@ -32,17 +33,7 @@ def _model(cfg: LlamaConfig = CFG) -> nn.Module:
 
 
 def _tied_graph() -> fx.GraphModule:
-    """ids -> embedding (tied with the head) -> head, vocabulary 10."""
-    root = nn.Module()
-    root.emb = nn.Parameter(torch.randn(10, 4))
-    g = fx.Graph()
-    ids = g.placeholder("ids")
-    w = g.get_attr("emb")
-    x = g.call_function(F.embedding, (ids, w))
-    g.output((g.call_function(torch._C._nn.linear, (x, w, None)),))
-    gm = fx.GraphModule(root, g)
-    propagate_vals(gm, [torch.zeros(1, 3, dtype=torch.long)])
-    return gm
+    return tied_graph()
 
 
 SPLIT_GOLDEN = """\

@@ -186,8 +186,8 @@ def _hand_built() -> fx.GraphModule:
     return gm
 
 
-def test_vocab_parallel_golden_on_a_hand_built_graph():
-    """ids -> embedding (tied with the head) -> head: both split by vocabulary rows, logits gathered."""
+def tied_graph() -> fx.GraphModule:
+    """ids -> embedding (tied with the head) -> head, vocabulary 10, hidden 4."""
     root = nn.Module()
     root.emb = nn.Parameter(torch.randn(10, 4))
     g = fx.Graph()
@@ -197,6 +197,12 @@ def test_vocab_parallel_golden_on_a_hand_built_graph():
     g.output((g.call_function(torch._C._nn.linear, (x, w, None)),))
     gm = fx.GraphModule(root, g)
     propagate_vals(gm, [torch.zeros(1, 3, dtype=torch.long)])
+    return gm
+
+
+def test_vocab_parallel_golden_on_a_hand_built_graph():
+    """ids -> embedding (tied with the head) -> head: both split by vocabulary rows, logits gathered."""
+    gm = tied_graph()
     ctx = PassContext(scheme=ParallelScheme(tp=2), tp_rank=1, tp_group="g",
                       options={"shard_tensor_parallel_pass.vocab_parallel": True})
     result = shard_tensor_parallel_pass(gm, ctx)
