@@ -194,8 +194,8 @@ def test_the_device_reserve_and_its_refusals():
 
 def test_caps_between_buckets_become_buckets():
     """A micro-batch runs, and allocates, at its bucket: a cap of 1100 tokens would run in the 2048 bucket
-    (1.86x what was charged). A cap of 1500 becomes a bucket of 1472 (a multiple of the smallest bucket) and the cap is lowered
-    to it; a cap on a bucket, or a CP scheme's share on one, is left alone."""
+    (1.86x what was charged). A cap of 1500 becomes a bucket of 1472 (a multiple of the smallest bucket) and the
+    cap is lowered to it; a cap on a bucket, or a CP scheme's share on one, is left alone."""
     from hcompile.train import buckets_cut_to_caps
     from passes.graph.variant import TokenBuckets
     from passes.plan.ir import CostModel, SchemeCost

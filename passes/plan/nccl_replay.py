@@ -181,9 +181,9 @@ def _fair_rates(msgs: list[_Msg], links: Links) -> None:
     left = len(msgs)
     while left:
         share = np.where(count > 0, cap / np.maximum(count, 1), np.inf)
-        res = int(np.argmin(share))
-        rate = float(share[res])
-        for i in users[res]:
+        busiest = int(np.argmin(share))
+        rate = float(share[busiest])
+        for i in users[busiest]:
             if not fixed[i]:
                 fixed[i] = True
                 left -= 1
@@ -211,6 +211,7 @@ def replay(ops: list[list[Op]], links: Links) -> Replay:
     start = [[inf] * len(rops) for rops in ops]
     end = [[inf] * len(rops) for rops in ops]
     queues: list[dict[str, list[int]]] = []
+    i: int | None  # an op's index; None where a stream has no op ready
     for r, rops in enumerate(ops):
         q: dict[str, list[int]] = {}
         for i, op in enumerate(rops):
@@ -265,17 +266,17 @@ def replay(ops: list[list[Op]], links: Links) -> Replay:
                     start[r][i] = now
                     running[(r, i)] = now + op.seconds
                 elif op.kind in COLLECTIVES:
-                    found = {}
-                    for m in op.members:
-                        got = [j for j in heads_on(m, op.comm) if ops[m][j].kind == op.kind]
-                        if not got or start[m][got[0]] != inf:
+                    found: dict[int, int] = {}
+                    for member in op.members:
+                        got = [j for j in heads_on(member, op.comm) if ops[member][j].kind == op.kind]
+                        if not got or start[member][got[0]] != inf:
                             break
-                        found[m] = got[0]
+                        found[member] = got[0]
                     else:
                         t_end = now + _collective_seconds(op, links)
-                        for m, j in found.items():
-                            start[m][j] = now
-                            running[(m, j)] = t_end
+                        for member, j in found.items():
+                            start[member][j] = now
+                            running[(member, j)] = t_end
                 else:  # p2p: match each not yet matched send with the peer's current batch on this comm
                     if start[r][i] == inf:
                         start[r][i] = now
@@ -334,8 +335,8 @@ def replay(ops: list[list[Op]], links: Links) -> Replay:
         for key in [k for k, te in running.items() if te <= now]:
             del running[key]
             finish(*key, now)
-    left = [(r, i) for r in range(world) for i in range(len(ops[r])) if not done[r][i]]
-    if not left:
+    unfinished = [(r, i) for r in range(world) for i in range(len(ops[r])) if not done[r][i]]
+    if not unfinished:
         return Replay(start, end, ops)
     blocked = []
     for r in range(world):
@@ -413,7 +414,7 @@ def _window_traffic(regions, needs: list, pushes: list, windows: list[tuple[int,
                 a, b = max(a0, rlo + k * share), min(b0, rlo + (k + 1) * share)
                 if b <= a:
                     continue
-                counts: dict[int, tuple[int, int]] = {}
+                counts: dict[tuple[int, int], tuple[int, int]] = {}
                 for r in range(world):
                     key = (id(needs[r]), id(pushes[r]))
                     if key not in counts:
@@ -517,7 +518,7 @@ def balanced_s(ops: list[list[Op]], links: Links, tag: str) -> float:
     ``inter_gbps``."""
     worst = 0.0
     for r, rops in enumerate(ops):
-        load = {}
+        load: dict[tuple[str, bool], float] = {}
         for op in rops:
             if op.tag != tag:
                 continue
@@ -525,6 +526,6 @@ def balanced_s(ops: list[list[Op]], links: Links, tag: str) -> float:
                 for p, b in pairs:
                     inter = p // links.gpus_per_node != r // links.gpus_per_node
                     load[(way, inter)] = load.get((way, inter), 0) + b
-        for (_, inter), b in load.items():
-            worst = max(worst, b / ((links.inter_gbps if inter else links.intra_gbps) * 1e9))
+        for (_, inter), total in load.items():
+            worst = max(worst, total / ((links.inter_gbps if inter else links.intra_gbps) * 1e9))
     return worst
