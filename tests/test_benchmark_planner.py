@@ -28,7 +28,8 @@ def test_smoke_writes_stamped_json_and_plot(tmp_path, capsys):
 
 def test_a_setting_the_planner_refuses_is_recorded_and_the_rest_run(tmp_path, capsys):
     """32B on 64 GPUs cannot hold the long-context set's 160K-token documents without recomputation since
-    gradients accumulate in fp32 (longest 153600): that setting is a record with its reason, and the next setting
+    gradients accumulate in fp32 (longest 146816, a piece's gradients and NCCL buffers charged): that setting is
+    a record with its reason, and the next setting
     still runs."""
     from benchmarks.planner import SMOKE, run
     from hcompile.tools.simulate import PlanJob

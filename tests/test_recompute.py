@@ -259,7 +259,7 @@ def test_hcompile_plan_takes_the_recompute_mode(capsys):
     job = ["plan", "--gpus", "64", "--dataset", "long-context", "--global-tokens", "400000", "--steps", "1",
            "--policy", "homogeneous-cp"]
     assert main([*job, "--recompute", "off"]) == 2
-    assert "longer than every scheme can hold on 64 GPUs (longest supported: 153600 tokens)" in capsys.readouterr().err
+    assert "longer than every scheme can hold on 64 GPUs (longest supported: 146816 tokens)" in capsys.readouterr().err
     assert main([*job, "--recompute", "auto", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["recompute"] is True and report["cp_fixed_strategy"].endswith(",rc)")

@@ -125,11 +125,12 @@ class ModelMemory:
     def per_token(self, scheme: ParallelScheme) -> float:
         """Activation bytes a rank of ``scheme`` keeps per token of one of its micro-batches (module docstring)."""
         tp, cp = scheme.tp, scheme.cp
-        extra = (self.kv_bytes_per_token * (cp - 1) + self.attention_working_bytes_per_token) / (tp * cp)
-        if scheme.rc and self.recompute_bytes_per_token is not None:
-            return self.recompute_bytes_per_token / (tp * cp) + self.layer_input_bytes / cp + extra
+        gathered = self.kv_bytes_per_token * (cp - 1) / (tp * cp)
+        if scheme.rc and self.recompute_bytes_per_token is not None:  # its figure has a layer's working memory
+            return self.recompute_bytes_per_token / (tp * cp) + self.layer_input_bytes / cp + gathered
         whole = self.whole_bytes_per_token if tp > 1 else 0.0
-        return ((self.bytes_per_token - whole) / tp + whole) / cp + extra
+        return (((self.bytes_per_token - whole) / tp + whole) / cp + gathered
+                + self.attention_working_bytes_per_token / (tp * cp))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
