@@ -470,8 +470,6 @@ class Trainer:
         capturable = self._largest_capturable(max(e.max_tokens // e.scheme.cp for e in model.entries))
         model, self.buckets = buckets_cut_to_caps(  # the memory model's caps; the user's run in their buckets
             cap_tokens(model, {e.scheme: capturable * e.scheme.cp for e in model.entries}), self.buckets, memory_bound)
-        self.held_memory = held
-        """The model as the memory model reads it (what each scheme's cap was charged from)."""
         self.cost_model = dataclasses.replace(model, buckets=self.buckets.sizes)
         """What the planner plans with: capped at the largest capturable bucket (a CP rank's share of it), each
         cap a bucket (a micro-batch runs, and allocates, at its bucket), each micro-batch charged the padding up

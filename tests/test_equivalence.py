@@ -67,12 +67,18 @@ def _regrouped_plan(trainer, strategy: str, lens: list[int]):
 
 
 def reference_sgd(model, batches, lr):
-    """Plain single-process training: per step the mean next-token loss over the batch, one SGD step."""
+    """Plain single-process training: per step the mean next-token loss over the batch, one SGD step. The model
+    returns the logits, or an output holding them (``.logits``, as Hugging Face models do)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, states = [], []
+
+    def logits(seq):
+        out = model(seq[None])
+        return (out if isinstance(out, torch.Tensor) else out.logits)[0]
+
     for batch in batches:
         pairs = sum(len(s) - 1 for s in batch)
-        loss = sum(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum") for s in batch) / pairs
+        loss = sum(F.cross_entropy(logits(s)[:-1], s[1:], reduction="sum") for s in batch) / pairs
         loss.backward()
         opt.step()
         opt.zero_grad()

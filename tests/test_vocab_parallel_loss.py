@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_util import run_ranks
+from test_equivalence import reference_sgd
 
 from runtime.loss import (
     IGNORE,
@@ -199,7 +200,7 @@ def _e2e_model(name: str):
     if name.startswith("hf_llama"):
         from benchmarks import hf_families
         model = hf_families.make_model("llama")
-        if name == "hf_llama":  # "hf_llama_pad" keeps the pad token's padding_idx (see its xfail)
+        if name == "hf_llama":  # "hf_llama_pad" keeps the pad token's padding_idx
             model.model.embed_tokens.padding_idx = None
         return model, hf_families.VOCAB
     from hcompile.models import GPT, GPTConfig, Llama, LlamaConfig, init_weights_
@@ -242,19 +243,7 @@ def _e2e_train(rank, world, name, strategy, vocab_parallel):
 
 def _reference_sgd(name: str, lr: float):
     model, vocab = _e2e_model(name)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, states = [], []
-    for batch in _e2e_batches(vocab):
-        pairs = sum(len(s) - 1 for s in batch)
-        outs = [model(s[None]) for s in batch]
-        logits = [(o if isinstance(o, torch.Tensor) else o.logits)[0] for o in outs]
-        loss = sum(F.cross_entropy(lg[:-1], s[1:], reduction="sum") for lg, s in zip(logits, batch)) / pairs
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, states
+    return reference_sgd(model, _e2e_batches(vocab), lr)
 
 
 @pytest.mark.parametrize("name,strategy,world", [("gpt", "1x(tp2)", 2), ("llama", "1x(tp2)", 2),
